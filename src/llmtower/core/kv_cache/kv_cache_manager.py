@@ -1,0 +1,184 @@
+"""Per-request KV block bookkeeping on top of the BlockPool, plus CPU swap space.
+
+  request "r1", block_size 4, 10 tokens (9 computed):
+      logical  0        1        2
+             ┌────┐   ┌────┐   ┌────┐
+  blocks ──▶ │ 7  │ ─ │ 3  │ ─ │ 12 │        physical ids from the pool (block table)
+             └────┘   └────┘   └────┘
+              full     full    2 of 4 used (fragmentation: 2 unused slots)
+              hashed   hashed  unhashed
+
+Invariants: a request's list holds exactly ceil(tokens_allocated / block_size) blocks; the
+first ``num_cached_blocks[r]`` of them are registered in the prefix cache; an allocation
+either succeeds whole or changes nothing.
+"""
+from __future__ import annotations
+
+from llmtower.core.config import CacheConfig
+from llmtower.core.kv_cache.block_hash import extend_block_hashes
+from llmtower.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmtower.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns each request's block table, the prefix-cache lookups and the CPU swap blocks."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.pool = BlockPool(cache_config.num_blocks, cache_config.enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        # CPU swap space: a stack of free CPU block ids (O(1) both ways).
+        self.num_cpu_blocks = cache_config.num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, as (blocks, tokens).
+
+        The last token is always recomputed, even on a full hit, because the forward pass
+        needs at least one token to produce the logits of the next one.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
+                            request.num_tokens, request.cache_salt)
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = request.block_hashes
+        cached = self.pool.cached
+        blocks: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            b = cached.get(hashes[i])
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * bs
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = num_computed_tokens // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[rid]
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            num_full * self.block_size, request.cache_salt)
+        hashes = request.block_hashes
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        for rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = len(self.req_to_blocks.get(rid, ()))
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        Returns the newly allocated blocks (prefix hits excluded), or None when there are not
+        enough free blocks, in which case nothing changed (no ref count, no free list).
+        """
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        num_existing = len(req_blocks) if req_blocks is not None else 0
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-total // self.block_size)
+        if not new_computed_blocks and req_blocks is not None and num_required <= num_existing:
+            return []  # the common decode step: the current block still has room
+        hits = new_computed_blocks or []
+        num_new_blocks = max(0, num_required - num_existing - len(hits))
+        # Free cached blocks we are about to reuse leave the free list too.
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        if hits:
+            self.pool.touch(hits)
+            req_blocks.extend(hits)
+            self.num_cached_blocks[rid] = len(req_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so that its tail is evicted first."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+        cpu = self.req_to_cpu_blocks.pop(rid, None)
+        if cpu:
+            self.free_cpu_blocks.extend(cpu)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, request: Request) -> bool:
+        return self.num_blocks_of(request.request_id) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to CPU blocks; returns (device, cpu) copy pairs."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid)
+        self.num_cached_blocks.pop(rid, None)
+        cpu = [self.free_cpu_blocks.pop() for _ in blocks]
+        self.req_to_cpu_blocks[rid] = cpu
+        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu)]
+        # The device copies stay cached for other requests; the executor copies them out
+        # before this step's forward pass overwrites anything.
+        self.pool.free(reversed(blocks))
+        return pairs
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        cpu = self.req_to_cpu_blocks.get(request.request_id, ())
+        need = max(len(cpu), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        return need <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring the request's CPU blocks back into new device blocks; (cpu, device) pairs."""
+        rid = request.request_id
+        cpu = self.req_to_cpu_blocks.pop(rid)
+        blocks = self.pool.allocate(len(cpu))
+        self.req_to_blocks[rid] = blocks
+        self.num_cached_blocks[rid] = 0
+        self.free_cpu_blocks.extend(cpu)
+        return [(c, b.block_id) for c, b in zip(cpu, blocks)]
+
+    # ------------------------------------------------------------------ statistics
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def fragmentation(self, requests) -> float:
+        """Slots allocated but holding no token, as a ratio of allocated slots."""
+        allocated = used = 0
+        for r in requests:
+            n = len(self.req_to_blocks.get(r.request_id, ()))
+            if n:
+                allocated += n * self.block_size
+                used += min(r.num_computed_tokens, n * self.block_size)
+        return (allocated - used) / allocated if allocated else 0.0

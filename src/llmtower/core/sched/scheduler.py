@@ -1,0 +1,477 @@
+"""The scheduler: before every forward pass, decide who runs, with how many tokens, on which
+KV blocks, and who is preempted. The whole decision is ``schedule()``, read top to bottom.
+
+One rule drives it (vLLM v1): each request's ``num_computed_tokens`` catches up with its
+``num_tokens`` within the step's token budget. A new prompt, a chunk of a long prompt, a
+decode step, a prefix-cache hit (which starts the count above zero) and a recompute after
+preemption (which resets it to zero) are all the same thing.
+
+A step, in order:
+  1. running requests (decodes and ongoing chunked prefills), preempting the lowest-priority,
+     latest-arrived running request when KV blocks run out;
+  2. swapped requests back in, if nobody was preempted in (1);
+  3. waiting requests, in policy order, if nobody was preempted and nothing is swapped out:
+     prefix-cache lookup, allocation, a chunk that fits the remaining budget. One that does not
+     fit is skipped (no head-of-line blocking) but counts how often it is overtaken; after
+     ``max_bypass`` overtakes nobody behind it is admitted until it fits. Under ``priority`` a
+     waiting request may preempt strictly lower-priority running ones, at the KV limit and at
+     ``max_num_seqs``.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from llmtower.core.config import CacheConfig, SchedulerConfig
+from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
+                                   ModelRunnerOutput, NewRequestData, RequestMetrics,
+                                   SchedulerOutput, SchedulerStats)
+from llmtower.core.request import Request, RequestStatus
+from llmtower.core.sched.request_queue import make_request_queue
+
+# Waiting requests skipped in one step before the scan stops: keeps a step O(1) in the
+# queue length even when thousands wait behind a full KV cache.
+MAX_SKIPS_PER_STEP = 64
+
+
+class _Step:
+    """Scratch state of one ``schedule()`` call."""
+
+    __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
+                 "swap_out", "swap_in", "num_prefill_tokens")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, int] = {}  # insertion order = batch order
+        self.new_blocks: dict[str, list[int]] = {}
+        self.resumed: set[str] = set()
+        self.preempted: list[Request] = []
+        self.num_partial = 0
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.num_prefill_tokens = 0
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues, the KV cache manager and every request
+    from admission to its end."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        self.kv = KVCacheManager(cache_config)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy,
+                                          scheduler_config.sjf_aging_tokens_per_s)
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
+        self._executor_has: set[str] = set()  # requests whose full data the executor holds
+        # The longest sequence that can ever be in the KV cache at once.
+        self.max_len = min(scheduler_config.max_model_len,
+                           cache_config.num_blocks * cache_config.block_size)
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_rejected = 0
+        self.num_steps = 0
+        self._last = _Step(0)
+
+    # ================================================================ admission
+    def add_request(self, request: Request) -> None:
+        """Admit a request to ``waiting``, or raise: AdmissionError if it can never run
+        (HTTP 400), QueueFullError if the queue limits are reached (HTTP 429)."""
+        cfg = self.config
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use; request ids must be unique")
+        if request.priority != 0 and cfg.policy != "priority":
+            self.num_rejected += 1
+            raise AdmissionError(
+                f"request {rid!r} has priority={request.priority} but the scheduler policy is "
+                f"{cfg.policy!r}; priorities need --policy priority")
+        min_len = request.num_prompt_tokens + max(1, request.sampling_params.min_tokens)
+        if min_len > cfg.max_model_len:
+            self.num_rejected += 1
+            raise AdmissionError(
+                f"request {rid!r} needs {min_len} tokens ({request.num_prompt_tokens} prompt + "
+                f"{max(1, request.sampling_params.min_tokens)} to generate) but max_model_len is "
+                f"{cfg.max_model_len}; shorten the prompt or lower min_tokens")
+        capacity = self.cache_config.num_blocks * self.cache_config.block_size
+        if min_len > capacity:
+            self.num_rejected += 1
+            raise AdmissionError(
+                f"request {rid!r} needs {min_len} tokens but the whole KV cache holds only "
+                f"{capacity} ({self.cache_config.num_blocks} blocks of "
+                f"{self.cache_config.block_size}); give the KV cache more memory")
+        if cfg.max_num_queued_reqs and len(self.waiting) >= cfg.max_num_queued_reqs:
+            self.num_rejected += 1
+            raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
+                                 f"max_num_queued_reqs={cfg.max_num_queued_reqs}); retry later")
+        if (cfg.max_num_queued_tokens
+                and self.waiting.num_tokens + request.num_tokens > cfg.max_num_queued_tokens):
+            self.num_rejected += 1
+            raise QueueFullError(
+                f"the waiting queue holds {self.waiting.num_tokens} prompt tokens and this "
+                f"request adds {request.num_tokens}, over max_num_queued_tokens="
+                f"{cfg.max_num_queued_tokens}; retry later")
+        # Generation stops at the context length or when the sequence would outgrow the cache.
+        room = self.max_len - request.num_prompt_tokens
+        asked = request.sampling_params.max_tokens
+        request.max_tokens = room if asked is None else min(asked, room)
+        request.status = RequestStatus.WAITING
+        request.times.queued = self.clock()
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        """Abort requests in any state; unknown or already finished ids are ignored."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(rid)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ================================================================ one step
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        step = _Step(cfg.max_num_batched_tokens)
+        now = self.clock()
+
+        # --- 1. running requests: decodes and ongoing chunked prefills -------------------
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens, step)
+            if n == 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:  # out of KV blocks: preempt until it fits or it is the victim
+                victim = max(self.running, key=_victim_key)
+                victim_index = self.running.index(victim)
+                self._preempt(victim, step, now)
+                self.waiting_add_preempted(victim)
+                if victim is req:
+                    break
+                if victim_index < i:
+                    i -= 1
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                continue  # req itself was preempted; running[i] is now the next request
+            self._mark_scheduled(req, n, new_blocks, step)
+            i += 1
+
+        # --- 2. swapped requests come back first, if memory is not under pressure ---------
+        if not step.preempted:
+            while self.swapped and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.swapped[0]
+                n = self._num_new_tokens(req, req.num_computed_tokens, step)
+                if n == 0 or not self.kv.can_swap_in(req, n):
+                    break
+                self.swapped.popleft()
+                step.swap_in.extend(self.kv.swap_in(req))
+                self.num_swap_ins += 1
+                new_blocks = self.kv.allocate_slots(req, n)
+                assert new_blocks is not None  # can_swap_in checked the room for both
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                step.resumed.add(req.request_id)
+                self._mark_scheduled(req, n, new_blocks, step)
+
+        # --- 3. waiting requests, in policy order ----------------------------------------
+        if not step.preempted and not self.swapped:
+            self._admit_waiting(step, now)
+
+        return self._build_output(step)
+
+    def _admit_waiting(self, step: _Step, now: float) -> None:
+        cfg = self.config
+        skipped: list[Request] = []
+        displaced: list[Request] = []  # preempted by priority here; requeued after the scan
+        while self.waiting and step.budget > 0 and len(skipped) < MAX_SKIPS_PER_STEP:
+            req = self.waiting.peek()
+            if len(self.running) >= cfg.max_num_seqs:
+                if not self._preempt_lower_priority(req, step, now, displaced):
+                    break
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = self._num_new_tokens(req, num_hit, step)
+            new_blocks = None if n == 0 else self.kv.allocate_slots(req, n, hits, num_hit)
+            while new_blocks is None and n and self._preempt_lower_priority(req, step, now, displaced):
+                new_blocks = self.kv.allocate_slots(req, n, hits, num_hit)
+            self.waiting.pop()
+            if new_blocks is None:
+                # Does not fit now: skip it (no head-of-line blocking) unless it has been
+                # overtaken too often, in which case nobody behind it goes first.
+                skipped.append(req)
+                if req.num_bypassed >= cfg.max_bypass:
+                    break
+                continue
+            for s in skipped:
+                s.num_bypassed += 1
+            req.num_bypassed = 0
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if not req.times.first_scheduled:
+                req.times.first_scheduled = now
+            self.running.append(req)
+            if req.request_id in self._executor_has:
+                step.resumed.add(req.request_id)
+            self._mark_scheduled(req, n, new_blocks, step)
+        self.waiting.prepend(skipped)
+        for r in displaced:
+            self.waiting_add_preempted(r)
+
+    def _num_new_tokens(self, req: Request, num_computed: int, step: _Step) -> int:
+        """Tokens to compute for ``req`` this step (0: not this step)."""
+        cfg = self.config
+        remaining = req.num_tokens - num_computed
+        n = remaining
+        if n > 1 and cfg.long_prefill_token_threshold and cfg.enable_chunked_prefill:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if n > step.budget:
+            if not cfg.enable_chunked_prefill:
+                return 0
+            n = step.budget
+        if n < remaining:  # a partial prefill
+            if step.num_partial >= cfg.max_num_partial_prefills:
+                return 0
+        return n
+
+    def _mark_scheduled(self, req: Request, n: int, new_blocks, step: _Step) -> None:
+        rid = req.request_id
+        step.scheduled[rid] = n
+        step.budget -= n
+        if new_blocks:
+            step.new_blocks[rid] = [b.block_id for b in new_blocks]
+        if req.num_computed_tokens + n < req.num_tokens:
+            step.num_partial += 1
+        if n > 1 or req.num_computed_tokens + n < req.num_tokens or req.num_output_tokens == 0:
+            step.num_prefill_tokens += n
+
+    # ================================================================ preemption
+    def _preempt(self, victim: Request, step: _Step, now: float) -> None:
+        """Take ``victim`` off ``running``: swap its blocks out, or free them (recompute)."""
+        self.running.remove(victim)
+        rid = victim.request_id
+        n = step.scheduled.pop(rid, None)
+        if n is not None:  # scheduled earlier in this step: give its tokens back
+            step.budget += n
+            step.new_blocks.pop(rid, None)
+            step.resumed.discard(rid)
+            if victim.num_computed_tokens + n < victim.num_tokens:
+                step.num_partial -= 1
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        victim.times.preempted.append(now)
+        step.preempted.append(victim)
+        if (self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0
+                and self.kv.can_swap_out(victim)):
+            step.swap_out.extend(self.kv.swap_out(victim))
+            self.num_swap_outs += 1
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+
+    def waiting_add_preempted(self, req: Request) -> None:
+        if req.status == RequestStatus.PREEMPTED:
+            self.waiting.add_front(req)
+
+    def _preempt_lower_priority(self, req: Request, step: _Step, now: float,
+                                displaced: list[Request]) -> bool:
+        """Under ``priority``: preempt the lowest-priority running request if it is strictly
+        less important than ``req``. Returns whether one was preempted."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=_victim_key)
+        if victim.priority <= req.priority:
+            return False
+        self._preempt(victim, step, now)
+        displaced.append(victim)
+        return True
+
+    # ================================================================ output of a step
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        reqs = self.requests
+        for rid, n in step.scheduled.items():
+            req = reqs[rid]
+            if rid not in self._executor_has:
+                self._executor_has.add(rid)
+                new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
+                                               self.kv.get_block_ids(rid), req.num_computed_tokens))
+            elif rid in step.resumed:
+                cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
+                                                     req.num_computed_tokens, True,
+                                                     req.output_token_ids))
+            else:
+                cached_reqs.append(CachedRequestData(rid, step.new_blocks.get(rid, _EMPTY),
+                                                     req.num_computed_tokens))
+            req.num_computed_tokens += n  # the one rule: catch up by what was scheduled
+        total = cfg_budget = self.config.max_num_batched_tokens
+        total = cfg_budget - step.budget
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=step.scheduled,
+            total_num_scheduled_tokens=total,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
+            preempted_req_ids={r.request_id for r in step.preempted},
+            finished_req_ids=self.finished_req_ids,
+            num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_tokens=total - step.num_prefill_tokens,
+        )
+        self.finished_req_ids = set()
+        self.num_steps += 1
+        self._last = step
+        return out
+
+    # ================================================================ after the forward pass
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, stop finished requests, free their blocks at once, cache
+        newly full blocks, and report new tokens to the clients."""
+        now = self.clock()
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        reqs = self.requests
+        logprobs = model_runner_output.logprobs
+        for i, rid in enumerate(model_runner_output.req_ids):
+            req = reqs.get(rid)
+            if req is None:
+                continue  # finished or aborted after it was scheduled: a late output
+            running = req.status == RequestStatus.RUNNING
+            if running:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            sampled = model_runner_output.sampled_token_ids[i]
+            if not sampled:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            new_tokens = []
+            status = None
+            for tok in sampled:
+                req.all_token_ids.append(tok)
+                new_tokens.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            times = req.times
+            if not times.first_token:
+                times.first_token = now
+            times.last_token = now
+            out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(0, req.num_cached_tokens))
+            if logprobs is not None and logprobs[i]:
+                out.new_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
+                                    for e in logprobs[i][:len(new_tokens)]]
+            if status is not None:
+                if running:
+                    stopped.append(req)
+                elif req.status == RequestStatus.SWAPPED:
+                    self.swapped.remove(req)
+                else:
+                    self.waiting.remove(req)
+                self._finish(req, status, remove_from_running=False)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = req.stop_reason
+                out.metrics = self._metrics(req)
+            outputs.append(out)
+        if stopped:
+            gone = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in gone]
+        return EngineCoreOutputs(outputs=outputs, timestamp=now)
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if tok == req.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, remove_from_running: bool = False) -> None:
+        req.status = status
+        req.times.finished = self.clock()
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        if req.request_id in self._executor_has:
+            self._executor_has.discard(req.request_id)
+            self.finished_req_ids.add(req.request_id)
+
+    def _metrics(self, req: Request) -> RequestMetrics:
+        t = req.times
+        return RequestMetrics(
+            arrival_time=t.arrival, queue_time=t.queue_time, ttft=t.ttft,
+            prefill_time=t.prefill_time, decode_time=t.decode_time,
+            e2e_latency=max(0.0, t.finished - t.arrival), num_preemptions=req.num_preemptions,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=req.num_output_tokens)
+
+    # ================================================================ operator surface
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv
+        step = self._last
+        total = self.config.max_num_batched_tokens - step.budget
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_swapped_reqs=len(self.swapped),
+            kv_cache_usage=kv.usage(),
+            num_free_blocks=kv.pool.num_free_blocks,
+            num_total_blocks=kv.pool.num_blocks,
+            num_free_cpu_blocks=len(kv.free_cpu_blocks),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_evictions=kv.pool.num_evictions,
+            fragmentation=kv.fragmentation(self.running),
+            num_preemptions_total=self.num_preemptions,
+            num_swap_outs_total=self.num_swap_outs,
+            num_swap_ins_total=self.num_swap_ins,
+            num_rejected_total=self.num_rejected,
+            num_steps=self.num_steps,
+            last_step_num_tokens=total,
+            last_step_num_prefill_tokens=step.num_prefill_tokens,
+            last_step_num_decode_tokens=total - step.num_prefill_tokens,
+            token_budget=self.config.max_num_batched_tokens,
+        )
+
+
+_EMPTY: list[int] = []
+
+
+def _victim_key(r: Request) -> tuple[int, float]:
+    """Preemption victim order: lowest priority (highest value), then latest arrival."""
+    return (r.priority, r.arrival_time)
