@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -34,10 +35,13 @@ class FakeExecutor:
     keeps across steps and updates only from the deltas of each ``SchedulerOutput``."""
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 vocab_size: int = 64, verify_kv: bool = True) -> None:
+                 vocab_size: int = 64, verify_kv: bool = True,
+                 token_fn: Callable[[str, list[int]], int] | None = None) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.verify_kv = verify_kv
+        # token_fn(request_id, sequence) -> next token; default: the fake model above.
+        self.token_fn = token_fn or (lambda rid, seq: fake_next_token(seq, vocab_size))
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.cpu_kv = np.full((max(num_cpu_blocks, 1), block_size), -1, dtype=np.int64)
         self.reqs: dict[str, _ReqState] = {}
@@ -87,7 +91,7 @@ class FakeExecutor:
                 seq = [int(self.kv[st.block_ids[p // bs], p % bs]) for p in range(end)]
             else:
                 seq = st.token_ids[-4:] + [end]
-            tok = fake_next_token(seq, self.vocab_size)
+            tok = self.token_fn(rid, seq)
             st.token_ids.append(tok)
             sampled.append([tok])
         return ModelRunnerOutput(req_ids, sampled)

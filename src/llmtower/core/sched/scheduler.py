@@ -227,8 +227,10 @@ class Scheduler:
                 if req.num_bypassed >= cfg.max_bypass:
                     break
                 continue
+            reserve = False
             for s in skipped:
                 s.num_bypassed += 1
+                reserve = reserve or s.num_bypassed >= cfg.max_bypass
             req.num_bypassed = 0
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -240,6 +242,8 @@ class Scheduler:
             if req.request_id in self._executor_has:
                 step.resumed.add(req.request_id)
             self._mark_scheduled(req, n, new_blocks, step)
+            if reserve:
+                break  # a skipped request has been overtaken enough: nobody else goes first
         self.waiting.prepend(skipped)
         for r in displaced:
             self.waiting_add_preempted(r)
