@@ -156,6 +156,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     last_step_num_prefill_tokens: int = 0
     last_step_num_decode_tokens: int = 0
     token_budget: int = 0
+    # Filled by EngineCoreProc: tokens and seconds of every step since the previous snapshot,
+    # for the per-iteration histograms (a snapshot is sent only every ~0.5 s).
+    step_num_tokens: list[int] = []
+    step_seconds: list[float] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -291,8 +291,11 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.times.preempted.append(now)
         step.preempted.append(victim)
+        # Swap-outs and swap-ins never share a step: the executor copies out before it copies
+        # in, so a CPU block freed by a swap-in, or a device block just swapped into, must
+        # not be the target or source of a swap-out in the same step.
         if (self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0
-                and self.kv.can_swap_out(victim)):
+                and not step.swap_in and self.kv.can_swap_out(victim)):
             step.swap_out.extend(self.kv.swap_out(victim))
             self.num_swap_outs += 1
             victim.status = RequestStatus.SWAPPED
