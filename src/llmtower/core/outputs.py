@@ -27,7 +27,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """What changed for a request the executor already holds.
 

@@ -250,8 +250,10 @@ class Scheduler:
 
     def _num_new_tokens(self, req: Request, num_computed: int, step: _Step) -> int:
         """Tokens to compute for ``req`` this step (0: not this step)."""
+        remaining = len(req.all_token_ids) - num_computed
+        if remaining == 1:
+            return 1  # a decode step (the caller guarantees budget > 0)
         cfg = self.config
-        remaining = req.num_tokens - num_computed
         n = remaining
         if n > 1 and cfg.long_prefill_token_threshold and cfg.enable_chunked_prefill:
             n = min(n, cfg.long_prefill_token_threshold)
@@ -270,10 +272,12 @@ class Scheduler:
         step.budget -= n
         if new_blocks:
             step.new_blocks[rid] = [b.block_id for b in new_blocks]
-        if req.num_computed_tokens + n < req.num_tokens:
+        num_tokens = len(req.all_token_ids)
+        if n == 1 and req.num_computed_tokens + 1 == num_tokens > req.num_prompt_tokens:
+            return  # a decode step
+        if req.num_computed_tokens + n < num_tokens:
             step.num_partial += 1
-        if n > 1 or req.num_computed_tokens + n < req.num_tokens or req.num_output_tokens == 0:
-            step.num_prefill_tokens += n
+        step.num_prefill_tokens += n
 
     # ================================================================ preemption
     def _preempt(self, victim: Request, step: _Step, now: float) -> None:
@@ -415,13 +419,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_tokens = len(req.all_token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if num_output >= sp.min_tokens:
             if tok == req.eos_token_id and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if sp.stop_token_ids and tok in sp.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
+        if num_output >= req.max_tokens or num_tokens >= self.max_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
