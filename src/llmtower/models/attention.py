@@ -1,0 +1,143 @@
+"""Paged attention on CPU: every request attends to its own KV blocks through its block table.
+
+One layer's cache is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K at
+index 0, V at 1); a token at position p of a request lives in slot ``block_table[p // block_size]
+* block_size + p % block_size`` of the flattened ``[num_blocks * block_size, ...]`` view.
+
+Per layer, ``PagedAttention.forward`` first writes the K/V of *all* new tokens of the step into
+their slots, and only then lets requests attend, so a request may read blocks that another
+request of the same step fills. Then three kinds of work, planned once per step in
+``AttentionMetadata`` and reused by every layer:
+
+- decode groups: requests with one query token (decodes, and 1-token chunks), grouped by
+  similar context length. Their blocks are gathered (whole blocks, ``index_select`` into a
+  reused buffer small enough to stay in cache) and one ``scaled_dot_product_attention`` call
+  with a length mask serves the group. Under GQA the query heads sharing a KV head are laid out
+  as that head's "query rows", so keys are never repeated.
+- fresh prefills: chunks starting at position 0 attend only to themselves: causal SDPA on the
+  new K/V, no gather.
+- prefills with context (later chunks of a chunked prefill, prefix-cache hits, recompute): the
+  request's blocks are gathered and SDPA runs with a causal mask offset by the context length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """Requests with one query token each, attended together."""
+
+    token_idx: torch.Tensor  # [c] rows of the flat batch
+    block_ids: torch.Tensor  # [c * num_blocks] block tables, padded per request to num_blocks
+    num_blocks: int
+    mask: torch.Tensor  # [c, 1, 1, num_blocks * block_size] True where the key exists
+
+
+@dataclass
+class PrefillSeq:
+    """A chunk of more than one query token of one request."""
+
+    token_start: int  # first row in the flat batch
+    num_tokens: int
+    num_computed: int  # context already in cache before this chunk
+    block_ids: torch.Tensor | None = None  # only when num_computed > 0
+    mask: torch.Tensor | None = None  # [num_tokens, num_computed + num_tokens], when num_computed > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """How the step's flat batch of new tokens maps onto requests and KV slots; built once per
+    step by the model runner and shared by all layers."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+class PagedAttention:
+    """Owns the attention shapes and a reusable gather buffer; computes one layer's attention
+    for the whole flat batch against that layer's paged cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, gather_buffer_blocks: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        shape = (gather_buffer_blocks, block_size, num_kv_heads, head_dim)
+        # Reused across layers and steps: fresh large allocations would page-fault every time.
+        self.k_buf = torch.zeros(shape, dtype=dtype)
+        self.v_buf = torch.zeros(shape, dtype=dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H * D]."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_flat = kv_cache[0].view(-1, hkv, d)
+        v_flat = kv_cache[1].view(-1, hkv, d)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+
+        out = q.new_empty(meta.num_tokens, self.num_heads * d)
+        for g in meta.decode_groups:
+            out.index_copy_(0, g.token_idx, self._decode(q, kv_cache, g))
+        for p in meta.prefills:
+            rows = slice(p.token_start, p.token_start + p.num_tokens)
+            if p.num_computed == 0:
+                o = self._fresh_prefill(q[rows], k[rows], v[rows])
+            else:
+                o = self._prefill_with_context(q[rows], kv_cache, p)
+            out[rows] = o
+        return out
+
+    # ------------------------------------------------------------------ the three kinds
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = block_ids.numel()
+        if n <= self.k_buf.shape[0]:
+            kb = torch.index_select(kv_cache[0], 0, block_ids, out=self.k_buf[:n])
+            vb = torch.index_select(kv_cache[1], 0, block_ids, out=self.v_buf[:n])
+        else:  # a long context that outgrows the buffer: rare, allocate
+            kb = torch.index_select(kv_cache[0], 0, block_ids)
+            vb = torch.index_select(kv_cache[1], 0, block_ids)
+        return kb, vb
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+        c = g.token_idx.numel()
+        hkv, d, length = self.num_kv_heads, self.head_dim, g.num_blocks * self.block_size
+        kb, vb = self._gather(kv_cache, g.block_ids)
+        keys = kb.view(c, length, hkv, d).transpose(1, 2)  # [c, Hkv, L, D]
+        values = vb.view(c, length, hkv, d).transpose(1, 2)
+        # The query heads of one KV head become that head's query rows: [c, Hkv, G, D].
+        qg = q.index_select(0, g.token_idx).view(c, hkv, self.group, d)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale)
+        return o.reshape(c, self.num_heads * d)
+
+    def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale,
+            enable_gqa=self.group > 1)
+        return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+    def _prefill_with_context(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                              p: PrefillSeq) -> torch.Tensor:
+        assert p.block_ids is not None and p.mask is not None
+        n = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        ctx = p.num_computed + p.num_tokens
+        kb, vb = self._gather(kv_cache, p.block_ids)
+        keys = kb.view(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        values = vb.view(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=p.mask, scale=self.scale,
+            enable_gqa=self.group > 1)
+        return o[0].transpose(0, 1).reshape(n, self.num_heads * d)

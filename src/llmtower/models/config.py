@@ -1,0 +1,204 @@
+"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json.
+
+Everything the model code needs and nothing else. Both the legacy config.json layout
+(``rope_theta`` + ``rope_scaling``) and the transformers v5 layout (``rope_parameters``) are read.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+# config.json files without "architectures" still name their family in "model_type".
+_MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_ARCHITECTURE_TO_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE_TO_ARCHITECTURE.items()}
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    """Owns the hyperparameters of one Llama-family decoder (Llama, Qwen2, Mistral, SmolLM).
+
+    ``num_key_value_heads=0`` means "as many as attention heads" (no GQA) and ``head_dim=0`` means
+    ``hidden_size // num_attention_heads``; both are filled in on construction.
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` "llama3" and its
+    ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``.
+    ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2). Whether o_proj has
+    one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
+    follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.
+    ``sliding_window`` is Mistral's attention window, as written in its config.json (None: none).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}: llmtower loads "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be a positive integer")
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                 f"{self.num_attention_heads}: set head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: Llama-family MLPs use 'silu'")
+        self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        self.eos_token_ids = [int(t) for t in self.eos_token_ids]
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json`` for extra EOS ids) from a model
+        directory, or from the path of a config.json itself."""
+        path = Path(path)
+        file = path if path.name == "config.json" and path.is_file() else path / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"config.json not found in {file.parent}: a model directory needs "
+                                    "config.json next to its *.safetensors weights")
+        try:
+            cfg = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        try:
+            return cls._from_dict(cfg, file)
+        except KeyError as e:
+            raise ValueError(f"{file} lacks the required key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict[str, Any], file: Path) -> "ModelConfig":
+        arch = _architecture(cfg, file)
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"{file}: mlp_bias=true is not supported (Llama-family MLPs have no bias)")
+        rope_theta, rope_scaling = _rope(cfg)
+        sliding_window = None
+        if arch == "MistralForCausalLM":
+            sliding_window = cfg.get("sliding_window")
+        elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            raise ValueError(f"{file}: Qwen2 use_sliding_window=true is not supported; set it to false")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or 0,
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; its config.json has no key for it.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_ids(cfg, file.parent / "generation_config.json"),
+            sliding_window=sliding_window,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers and llmtower both read back (legacy rope keys)."""
+        d = asdict(self)
+        arch = d.pop("architecture")
+        eos = d.pop("eos_token_ids")
+        out: dict[str, Any] = {"architectures": [arch], "model_type": _ARCHITECTURE_TO_MODEL_TYPE[arch]}
+        out.update(d)
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        out["mlp_bias"] = False
+        out["torch_dtype"] = "float32"
+        if arch == "Qwen2ForCausalLM":
+            out["use_sliding_window"] = False
+        return out
+
+
+def _architecture(cfg: dict[str, Any], file: Path) -> str:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCHITECTURE.get(cfg.get("model_type", ""), "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        shown = arch or f"model_type={cfg.get('model_type')!r}"
+        raise ValueError(f"unsupported architecture {shown!r} in {file}: llmtower loads "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return float(theta), dict(params) if params else None
+
+
+def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Normalize to None (plain RoPE) or {"rope_type": "llama3", <its four parameters>}."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported: llmtower supports "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}: it needs "
+                         f"{', '.join(_LLAMA3_ROPE_KEYS)}")
+    out: dict[str, Any] = {"rope_type": "llama3"}
+    out.update({k: float(scaling[k]) for k in _LLAMA3_ROPE_KEYS})
+    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return out
+
+
+def _eos_ids(cfg: dict[str, Any], generation_config: Path) -> list[int]:
+    """EOS ids of config.json, then any extra ones of generation_config.json (chat models often
+    list their end-of-turn token only there), without duplicates, in that order."""
+    ids: list[int] = []
+    sources = [cfg.get("eos_token_id")]
+    if generation_config.is_file():
+        try:
+            sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{generation_config} is not valid JSON: {e}") from e
+    for value in sources:
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
