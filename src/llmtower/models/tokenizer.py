@@ -18,6 +18,13 @@ def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}")
+    if (path / "tokenizer.json").is_file():
+        # tokenizer.json defines the tokenizer completely; loading it through the fast class
+        # directly skips AutoTokenizer's model-config imports (seconds of start-up) and uses
+        # exactly what the file says, whatever model-specific class the config would pick.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     from transformers import AutoTokenizer  # slow import: only when a tokenizer is needed
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,286 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``.
+
+``LLM`` runs an ``EngineCore`` in this process (no sockets): it tokenizes, hands the requests to
+the engine, steps it until every request has finished, and returns one ``RequestOutput`` per
+prompt, in input order, however the scheduler interleaved them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.engine.args import DEFAULT_MODEL, EngineArgs
+from llmtower.engine.output_processor import OutputProcessor
+from llmtower.engine.request_output import RequestOutput, RequestOutputKind
+
+Conversation = list[dict[str, Any]]
+# A prompt after tokenization: its text (None if given as token ids) and its token ids.
+PromptItem = tuple[str | None, list[int]]
+
+
+class LLM:
+    """Owns an in-process ``EngineCore``, the tokenizer and the ``OutputProcessor``, and runs
+    batches of prompts to completion.
+
+    ``LLM(model=None, **engine_args)``: ``model`` is a Hugging Face directory, a .gguf file or
+    'smollm2-135m-instruct' (the default); ``engine_args`` are ``EngineArgs`` fields
+    (``max_num_seqs=...``, ``kv_cache_memory="2GiB"``, ``num_threads=2``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
+        if unknown:
+            valid = ", ".join(f.name for f in dataclasses.fields(EngineArgs))
+            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}: "
+                             f"LLM(...) accepts model and the EngineArgs fields: {valid}")
+        args = EngineArgs(model=model or DEFAULT_MODEL, **engine_args)
+        from llmtower.models.loader import load_model_config, load_tokenizer, resolve_model_path
+
+        path = resolve_model_path(args.model)  # a missing model fails here, before any work
+        from llmtower.engine.factory import create_engine_core  # builds the model: slow import
+
+        engine_core = create_engine_core(args)
+        tokenizer = getattr(engine_core, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer
+                                       else path)
+        model_config = getattr(engine_core, "model_config", None)
+        if model_config is None:
+            model_config = load_model_config(path)
+        self._setup(engine_core, tokenizer, model_config.eos_token_ids, model_config.vocab_size)
+
+    @classmethod
+    def from_engine_core(cls, engine_core: Any, tokenizer: Any,
+                         eos_token_ids: Sequence[int] | None = None) -> "LLM":
+        """An ``LLM`` over an engine core built elsewhere (tests, benchmarks, other executors).
+        ``eos_token_ids`` default to the tokenizer's EOS token."""
+        llm = cls.__new__(cls)
+        llm._setup(engine_core, tokenizer, list(eos_token_ids or []))
+        return llm
+
+    def _setup(self, engine_core: Any, tokenizer: Any, eos_token_ids: Sequence[int],
+               vocab_size: int | None = None) -> None:
+        self.engine_core = engine_core
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        # The engine stops on one EOS id; other EOS ids of the model (generation_config may
+        # list several) become stop token ids of each request.
+        self.eos_token_id: int | None = tok_eos if tok_eos is not None else (
+            eos_token_ids[0] if eos_token_ids else None)
+        self.extra_eos_token_ids = [t for t in eos_token_ids if t != self.eos_token_id]
+        # Prompt token ids must index the model's embedding table.
+        self.vocab_size = vocab_size or (len(tokenizer) if hasattr(tokenizer, "__len__")
+                                         else tokenizer.get_vocab_size())
+        self._counter = itertools.count()
+        self._busy = False
+
+    # ------------------------------------------------------------------ public API
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` (text, or token ids); one ``RequestOutput``
+        per prompt, in input order. ``sampling_params`` is one for all or one per prompt;
+        ``priority`` (one per prompt, lower runs first) needs ``policy="priority"``."""
+        items = self._tokenize_prompts(prompts)
+        return self._run(items, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
+        to a list of them, rendered with the tokenizer's chat template."""
+        if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+            conversations = messages
+        else:
+            conversations = [messages]  # type: ignore[list-item]
+        items = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        return self._run(items, sampling_params, use_tqdm, priority)
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+               priority: int = 0) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding ``RequestOutput``s with only the new text and
+        tokens of each step (DELTA). The request is sent to the engine at the first
+        ``next()`` (admission errors are raised there); closing the iterator early aborts it."""
+        (item,) = self._tokenize_prompts([prompt] if isinstance(prompt, str) else [prompt])
+        return self._stream(item, sampling_params, priority)
+
+    def stream_chat(self, messages: Conversation,
+                    sampling_params: SamplingParams | None = None,
+                    add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> Iterator[RequestOutput]:
+        """``stream`` for one conversation, rendered with the chat template."""
+        return self._stream(self.render_chat(messages, add_generation_prompt, chat_template),
+                            sampling_params, 0)
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> PromptItem:
+        """A conversation as prompt text and token ids, through the chat template."""
+        if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise ValueError("a conversation must be a list of messages like "
+                             "{'role': 'user', 'content': 'Hello'}; got "
+                             f"{str(conversation)[:200]}")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=... "
+                             "or use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template)
+        # The template already holds any BOS token: do not add special tokens twice.
+        return text, self._encode(text, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+    def _tokenize_prompts(self, prompts: Any) -> list[PromptItem]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a non-empty list of strings, or a list "
+                             f"of token-id lists; got {type(prompts).__name__}")
+        if all(isinstance(p, int) for p in prompts):
+            raise ValueError("prompts is a flat list of ints: wrap one tokenized prompt in a "
+                             "list, e.g. generate([[1, 2, 3]])")
+        items: list[PromptItem] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids = self._encode(p)
+                text: str | None = p
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                ids, text = list(p), None
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompt {i} has token id(s) {bad[:5]} outside the "
+                                     f"vocabulary (0..{self.vocab_size - 1})")
+            else:
+                raise ValueError(f"prompt {i} is a {type(p).__name__}: each prompt must be a "
+                                 "string or a list of token ids")
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: give at least one token of text")
+            items.append((text, ids))
+        return items
+
+    def _check_idle(self) -> None:
+        if self._busy:
+            raise RuntimeError("this LLM is still running a stream; consume or close it "
+                               "before starting another generation")
+
+    def _add(self, items: list[PromptItem], params: list[SamplingParams], priorities: list[int],
+             kind: RequestOutputKind) -> list[str]:
+        """Send every request to the engine, or none: on an error, everything added so far
+        is aborted again and the error is raised with its message intact."""
+        request_ids: list[str] = []
+        try:
+            for (text, ids), sp, prio in zip(items, params, priorities):
+                rid = str(next(self._counter))
+                request_ids.append(rid)
+                sp = self._with_extra_eos(sp)
+                for req in self.output_processor.add_request(
+                        rid, text, ids, sp, output_kind=kind, eos_token_id=self.eos_token_id,
+                        priority=prio):
+                    self.engine_core.add_request(req)
+        except BaseException:
+            self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+            raise
+        return request_ids
+
+    def _with_extra_eos(self, sp: SamplingParams) -> SamplingParams:
+        extra = [t for t in self.extra_eos_token_ids if t not in sp.stop_token_ids]
+        if not extra or sp.ignore_eos:
+            return sp
+        return dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + extra)
+
+    def _step(self) -> list[RequestOutput]:
+        if not self.engine_core.has_unfinished_requests():
+            raise RuntimeError("the engine has no requests left but some never finished: "
+                               f"{list(self.output_processor.parents)[:5]}")
+        processed = self.output_processor.process_outputs(self.engine_core.step())
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def _abort_all(self) -> None:
+        ids = list(self.output_processor.parents)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def _run(self, items: list[PromptItem],
+             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
+             priority: list[int] | None) -> list[RequestOutput]:
+        self._check_idle()
+        params = _per_prompt(sampling_params, len(items), "sampling_params", SamplingParams())
+        priorities = _per_prompt(priority, len(items), "priority", 0)
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, not "
+                                 f"{type(sp).__name__}: use SamplingParams(max_tokens=..., ...)")
+        request_ids = self._add(items, params, priorities, RequestOutputKind.FINAL_ONLY)
+        results: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+        pbar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                    dynamic_ncols=True)
+        num_out_tokens = 0
+        self._busy = True
+        try:
+            while self.output_processor.has_unfinished_requests():
+                for ro in self._step():
+                    results[ro.request_id] = ro
+                    num_out_tokens += sum(len(c.token_ids) for c in ro.outputs)
+                    elapsed = pbar.format_dict.get("elapsed") or 0.0
+                    if elapsed > 0:
+                        pbar.set_postfix_str(f"output: {num_out_tokens / elapsed:.1f} tok/s",
+                                             refresh=False)
+                    pbar.update(1)
+        except BaseException:
+            self._abort_all()  # e.g. Ctrl-C: leave nothing running in the engine
+            raise
+        finally:
+            self._busy = False
+            pbar.close()
+        return [results[rid] for rid in request_ids]
+
+    def _stream(self, item: PromptItem, sampling_params: SamplingParams | None,
+                priority: int) -> Iterator[RequestOutput]:
+        # A generator: the request is added at the first next(), so an iterator that is
+        # dropped before it starts leaves nothing behind in the engine.
+        self._check_idle()
+        self._add([item], [sampling_params or SamplingParams()], [priority],
+                  RequestOutputKind.DELTA)
+        self._busy = True
+        try:
+            while self.output_processor.has_unfinished_requests():
+                yield from self._step()
+        finally:
+            # Also on close() or an exception in the consumer: abort what is left.
+            self._abort_all()
+            self._busy = False
+
+
+def _per_prompt(value: Any, n: int, name: str, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one per "
+                             "prompt, or a single value for all")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,173 @@
+"""OutputProcessor: turns the engine's token outputs into what clients read.
+
+Shared by the offline ``LLM`` (in-process, FINAL_ONLY outputs) and the API server
+(``AsyncLLM``, streaming DELTA outputs). The engine only sees single-sequence requests: a
+request with ``n > 1`` is fanned out here into ``n`` child requests and its outputs gathered
+back into one ``RequestOutput``. Stop strings are also checked here, on detokenized text, so a
+request that hits one must be aborted in the engine: ``process_outputs`` returns those ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, RequestMetrics
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.engine.detokenizer import make_decode_fn
+from llmtower.engine.request_output import RequestOutput, RequestOutputKind
+from llmtower.engine.request_state import RequestState
+
+
+@dataclass
+class ProcessedOutputs:
+    """The result of one engine step, for the client: outputs to deliver, and child request
+    ids the engine must abort at once (they hit a stop string)."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class ParentRequest:
+    """Owns one client request: its prompt, output kind, and its ``n`` sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 output_kind: RequestOutputKind, children: list[RequestState]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.output_kind = output_kind
+        self.children = children
+        self.num_unfinished = len(children)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def make_output(self) -> RequestOutput | None:
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        completions = [c for c in (child.make_output() for child in self.children) if c]
+        if not completions:
+            return None
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+            merge_metrics([c.metrics for c in self.children]) if self.finished else None,
+            max(c.num_cached_tokens for c in self.children))
+
+
+class OutputProcessor:
+    """Owns the client-side state of every request in flight: detokenizers, stop strings,
+    the fan-out of ``n > 1`` requests, and what each client was already sent."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._decode = make_decode_fn(tokenizer)
+        self.parents: dict[str, ParentRequest] = {}
+        self.request_states: dict[str, RequestState] = {}  # child (engine) id -> state
+        self._parent_of: dict[str, ParentRequest] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, n: int | None = None, *,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    eos_token_id: int | None = None, arrival_time: float | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> list[EngineCoreRequest]:
+        """Register a request; return the ``EngineCoreRequest``s the caller must send to the
+        engine: one, or ``n`` children (ids ``f"{request_id}-{i}"``, seed ``seed + i``)."""
+        n = sampling_params.n if n is None else n
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r} is out of range: n must be an integer >= 1")
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use; "
+                             "request ids must be unique")
+        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        for cid in child_ids:
+            if cid in self.request_states:
+                raise ValueError(f"request id {cid!r} is already in use by another request; "
+                                 "request ids must be unique")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        states, engine_requests = [], []
+        for i, cid in enumerate(child_ids):
+            params = sampling_params
+            if n > 1 or params.n != 1:
+                seed = None if params.seed is None else params.seed + i
+                params = dataclasses.replace(params, n=1, seed=seed)
+            states.append(RequestState(cid, i, prompt_token_ids, params, self._decode,
+                                       output_kind, arrival))
+            engine_requests.append(EngineCoreRequest(
+                cid, list(prompt_token_ids), params, eos_token_id=eos_token_id,
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt))
+        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), output_kind, states)
+        self.parents[request_id] = parent
+        for st in states:
+            self.request_states[st.request_id] = st
+            self._parent_of[st.request_id] = parent
+        return engine_requests
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """Forget client requests (e.g. the client went away); return the engine ids of
+        their unfinished sequences, which the caller must abort in the engine."""
+        to_abort = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for st in parent.children:
+                if self.request_states.pop(st.request_id, None) is not None:
+                    self._parent_of.pop(st.request_id, None)
+                    st.finish_aborted()
+                    to_abort.append(st.request_id)
+        return to_abort
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ------------------------------------------------------------------ outputs
+    def process_outputs(self, engine_core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Apply one engine step: detokenize, check stop strings, and build one
+        ``RequestOutput`` per client request that has something to say."""
+        result = ProcessedOutputs()
+        touched: dict[str, ParentRequest] = {}  # insertion-ordered: deterministic output order
+        for out in engine_core_outputs.outputs:
+            st = self.request_states.get(out.request_id)
+            if st is None:
+                continue  # aborted here while the engine was still running it
+            if st.update(out):
+                result.reqs_to_abort.append(st.request_id)
+            parent = self._parent_of[st.request_id]
+            if st.finished:
+                del self.request_states[st.request_id]
+                del self._parent_of[st.request_id]
+                parent.num_unfinished -= 1
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            ro = parent.make_output()
+            if ro is not None:
+                result.request_outputs.append(ro)
+            if parent.finished:
+                del self.parents[parent.request_id]
+        return result
+
+
+def merge_metrics(all_metrics: list[RequestMetrics | None]) -> RequestMetrics | None:
+    """One request's metrics from those of its sequences: times until the first sequence
+    got there, counts summed, the cache hit of the luckiest sequence."""
+    ms = [m for m in all_metrics if m is not None]
+    if len(ms) <= 1:
+        return ms[0] if ms else None
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in ms),
+        queue_time=min(m.queue_time for m in ms),
+        ttft=min(m.ttft for m in ms),
+        prefill_time=min(m.prefill_time for m in ms),
+        decode_time=max(m.decode_time for m in ms),
+        e2e_latency=max(m.e2e_latency for m in ms),
+        num_preemptions=sum(m.num_preemptions for m in ms),
+        num_cached_tokens=max(m.num_cached_tokens for m in ms),
+        num_prompt_tokens=ms[0].num_prompt_tokens,
+        num_generation_tokens=sum(m.num_generation_tokens for m in ms))

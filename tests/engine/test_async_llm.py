@@ -1,0 +1,136 @@
+"""AsyncLLM over an engine process with the fake executor and the tiny tokenizer: streamed
+deltas, n > 1, stop strings, validation, queue timeouts, disconnects and engine death."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from fake_engine_factory import make_fake_engine, make_slow_fake_engine
+from llmtower.core.errors import AdmissionError
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.async_llm import AsyncLLM, RequestTimeoutError
+from llmtower.engine.core_client import EngineDeadError
+
+GUARD_S = 30  # against hangs only
+
+
+def _run(tokenizer, body, factory=make_fake_engine, request_timeout_s=None, **engine_kw):
+    async def main():
+        llm = AsyncLLM(EngineArgs(model="fake", **engine_kw), tokenizer=tokenizer,
+                       engine_factory=factory, request_timeout_s=request_timeout_s,
+                       stats_interval_s=0.05)
+        try:
+            await asyncio.wait_for(llm.start(), GUARD_S)
+            return await asyncio.wait_for(body(llm), GUARD_S)
+        finally:
+            llm.shutdown()
+    return asyncio.run(main())
+
+
+async def _generate(llm: AsyncLLM, rid: str, prompt: str, **sp):
+    """Join the deltas: per sample index, its text, its token ids and its finish reason."""
+    ids = llm.encode(prompt)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    last = None
+    async for ro in llm.generate(prompt, ids, SamplingParams(**sp), rid):
+        for c in ro.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        last = ro
+    assert last is not None and last.finished
+    return texts, tokens, finish
+
+
+def test_streamed_deltas_add_up_and_n_fans_in(tokenizer):
+    async def body(llm):
+        one = await _generate(llm, "a", "Hello world", max_tokens=12, ignore_eos=True,
+                              temperature=0.0)
+        two = await _generate(llm, "b", "Hello world", max_tokens=12, ignore_eos=True,
+                              temperature=0.0, n=2)
+        return one, two
+
+    (texts, tokens, finish), (texts2, tokens2, finish2) = _run(tokenizer, body)
+    assert len(tokens[0]) == 12 and finish == {0: "length"}
+    assert texts[0] == tokenizer.decode(tokens[0], skip_special_tokens=True)
+    # The fake model is deterministic: both samples equal the single one.
+    assert tokens2 == {0: tokens[0], 1: tokens[0]} and finish2 == {0: "length", 1: "length"}
+
+
+def test_stop_string_cuts_the_text_and_stops_the_engine(tokenizer):
+    async def body(llm):
+        (texts, _, _) = await _generate(llm, "full", "Hello world", max_tokens=40,
+                                        ignore_eos=True, temperature=0.0)
+        full = texts[0]
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        cut = await _generate(llm, "cut", "Hello world", max_tokens=40, ignore_eos=True,
+                              temperature=0.0, stop=[stop])
+        stats = await llm.get_stats()
+        return full, stop, cut, stats
+
+    full, stop, (texts, _, finish), stats = _run(tokenizer, body)
+    assert texts[0] == full[:full.index(stop)] and finish == {0: "stop"}
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+
+
+def test_prompt_longer_than_the_context_names_both_lengths(tokenizer):
+    async def body(llm):
+        ids = list(range(3, 3 + 150))
+        with pytest.raises(AdmissionError, match=r"150 tokens.*128"):
+            async for _ in llm.generate(None, ids, SamplingParams(max_tokens=1), "long"):
+                pass
+        with pytest.raises(AdmissionError, match=r"max_tokens is 100"):
+            async for _ in llm.generate(None, ids[:50], SamplingParams(max_tokens=100), "mt"):
+                pass
+
+    _run(tokenizer, body)
+
+
+def test_request_that_waits_past_the_timeout_gets_a_timeout_error(tokenizer):
+    async def body(llm):
+        blocker = llm.generate(None, [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True),
+                               "blocker")
+        await anext(blocker)  # it runs; max_num_seqs=1 keeps the next one queued
+        with pytest.raises(RequestTimeoutError, match="request-timeout"):
+            async for _ in llm.generate(None, [8, 9], SamplingParams(max_tokens=2), "late"):
+                pass
+        await blocker.aclose()
+        return await llm.get_stats()
+
+    # 100 steps of >= 10 ms each: the blocker runs for at least 1 s, past the 0.2 s timeout.
+    stats = _run(tokenizer, body, make_slow_fake_engine, request_timeout_s=0.2, max_num_seqs=1)
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+
+
+def test_leaving_the_stream_aborts_the_request(tokenizer):
+    async def body(llm):
+        gen = llm.generate(None, [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), "d")
+        await anext(gen)
+        await gen.aclose()  # what a disconnecting HTTP client does
+        return await llm.get_stats()
+
+    stats = _run(tokenizer, body, make_slow_fake_engine)
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+
+
+def test_engine_death_fails_streams_with_engine_dead_error(tokenizer):
+    async def body(llm):
+        gen = llm.generate(None, [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), "z")
+        await anext(gen)
+        os.kill(llm.client.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            async for _ in gen:
+                pass
+        assert llm.is_dead
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate(None, [1, 2], SamplingParams(), "after"):
+                pass
+
+    _run(tokenizer, body, make_slow_fake_engine)
