@@ -13,7 +13,7 @@ from fake_engine_factory import (make_failing_engine, make_fake_engine, make_slo
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core_client import EngineCoreClient, EngineDeadError
+from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from llmtower.engine.core_messages import PingResult, RequestError
 
 # A guard against hangs only: every wait below ends as soon as its event happens.
@@ -176,5 +176,5 @@ def test_engine_that_fails_to_start_reports_its_error():
     async def body(client):  # pragma: no cover - start() raises first
         raise AssertionError("the engine should not have started")
 
-    with pytest.raises(RuntimeError, match="weights not found"):
+    with pytest.raises(EngineStartupError, match="weights not found"):
         _run(body, EngineArgs(model="fake"), make_failing_engine)

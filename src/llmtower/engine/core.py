@@ -19,6 +19,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.last_step_seconds = 0.0
+        self.last_step_num_tokens = 0  # scheduled tokens of the last step (for metrics)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises AdmissionError / QueueFullError / ValueError; the request is then not queued."""
@@ -38,6 +39,7 @@ class EngineCore:
             return EngineCoreOutputs()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.total_num_scheduled_tokens == 0 and not (
                 scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             return EngineCoreOutputs(timestamp=time.monotonic())

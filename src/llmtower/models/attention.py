@@ -9,8 +9,8 @@ their slots, and only then lets requests attend, so a request may read blocks th
 request of the same step fills. Then three kinds of work, planned once per step in
 ``AttentionMetadata`` and reused by every layer:
 
-- decode groups: requests with one query token (decodes, and 1-token chunks), grouped by
-  similar context length. Their blocks are gathered (whole blocks, ``index_select`` into a
+- decode groups: requests with one query token (decodes, and 1-token chunks), which the runner
+  puts first in the flat batch, sorted by context length, and cuts into groups. Their blocks are gathered (whole blocks, ``index_select`` into a
   reused buffer small enough to stay in cache) and one ``scaled_dot_product_attention`` call
   with a length mask serves the group. Under GQA the query heads sharing a KV head are laid out
   as that head's "query rows", so keys are never repeated.
@@ -29,9 +29,11 @@ import torch.nn.functional as F
 
 @dataclass
 class DecodeGroup:
-    """Requests with one query token each, attended together."""
+    """Requests with one query token each, attended together; their queries are the
+    consecutive rows ``start:stop`` of the flat batch."""
 
-    token_idx: torch.Tensor  # [c] rows of the flat batch
+    start: int
+    stop: int
     block_ids: torch.Tensor  # [c * num_blocks] block tables, padded per request to num_blocks
     num_blocks: int
     mask: torch.Tensor  # [c, 1, 1, num_blocks * block_size] True where the key exists
@@ -87,7 +89,7 @@ class PagedAttention:
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         for g in meta.decode_groups:
-            out.index_copy_(0, g.token_idx, self._decode(q, kv_cache, g))
+            out[g.start:g.stop] = self._decode(q[g.start:g.stop], kv_cache, g)
         for p in meta.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             if p.num_computed == 0:
@@ -110,13 +112,13 @@ class PagedAttention:
         return kb, vb
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
-        c = g.token_idx.numel()
+        c = g.stop - g.start
         hkv, d, length = self.num_kv_heads, self.head_dim, g.num_blocks * self.block_size
         kb, vb = self._gather(kv_cache, g.block_ids)
         keys = kb.view(c, length, hkv, d).transpose(1, 2)  # [c, Hkv, L, D]
         values = vb.view(c, length, hkv, d).transpose(1, 2)
         # The query heads of one KV head become that head's query rows: [c, Hkv, G, D].
-        qg = q.index_select(0, g.token_idx).view(c, hkv, self.group, d)
+        qg = q.view(c, hkv, self.group, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale)
         return o.reshape(c, self.num_heads * d)
 

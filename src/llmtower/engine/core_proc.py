@@ -1,0 +1,321 @@
+"""EngineCoreProc: the EngineCore busy loop in its own process, talking ZMQ to its client.
+
+Three threads, one job each:
+  - the input thread receives from the input socket, decodes (msgspec) and puts messages on
+    ``input_queue``;
+  - the busy loop (main thread) takes messages off that queue, then steps the engine, and puts
+    what it produced on ``output_queue`` — it never touches a socket or a byte string;
+  - the output thread takes from ``output_queue``, encodes and sends.
+When no request is unfinished the loop blocks on ``input_queue``: an idle engine costs nothing.
+
+The process is started by ``EngineCoreClient`` with ``multiprocessing`` (spawn) and gets an
+``engine_factory`` — any picklable ``(EngineArgs) -> EngineCore`` function — so tests can run
+the whole process machinery with a model-free engine.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.core import EngineCore
+from llmtower.engine.core_messages import (UTILITY_METHODS, EngineDead, EngineReady, InputTag,
+                                           OutputTag, PingResult, RequestError, UtilityCall,
+                                           UtilityResult)
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineArgs], EngineCore]
+
+# How often the input thread wakes up to check that the parent (API) process is still alive.
+PARENT_POLL_MS = 1000
+_STOP = object()  # tells the output thread to flush and exit
+
+
+def default_engine_factory(engine_args: EngineArgs) -> EngineCore:
+    """The real engine: model, executor and scheduler built from the engine arguments."""
+    from llmtower.engine.factory import create_engine_core
+    return create_engine_core(engine_args)
+
+
+class EngineCoreProc:
+    """Owns one EngineCore inside the engine process, the busy loop that steps it, and the
+    two queues through which the socket threads feed it and drain it."""
+
+    def __init__(self, engine_core: EngineCore, stats_interval_s: float = 0.5) -> None:
+        self.engine_core = engine_core
+        self.stats_interval_s = stats_interval_s
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._shutdown = False
+        # Per-step figures since the last stats snapshot (for the per-iteration histograms).
+        self._step_num_tokens: list[int] = []
+        self._step_seconds: list[float] = []
+        self._stats_dirty = False
+        self._last_stats_time = 0.0
+
+    # ------------------------------------------------------------------ process entry point
+    @staticmethod
+    def run_engine_core(engine_factory: EngineFactory, engine_args: EngineArgs,
+                        input_address: str, output_address: str,
+                        stats_interval_s: float = 0.5) -> None:
+        """Target of the engine process: build the engine, shake hands, run the busy loop.
+
+        Exits 0 after a SHUTDOWN message (or when the parent process is gone) and 1 after a
+        failure, which is first reported to the client as a DEAD message with the traceback.
+        """
+        # Ctrl-C reaches the whole process group; the API server decides when we stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s [engine] %(message)s")
+        ctx = zmq.Context()
+        out_sock = ctx.socket(zmq.PUSH)
+        out_sock.setsockopt(zmq.LINGER, 2000)
+        out_sock.connect(output_address)
+        in_sock = ctx.socket(zmq.PULL)
+        in_sock.setsockopt(zmq.LINGER, 0)
+        in_sock.connect(input_address)
+        proc: EngineCoreProc | None = None
+        out_thread: threading.Thread | None = None
+        in_thread: threading.Thread | None = None
+        exit_code = 0
+        try:
+            engine_core = engine_factory(engine_args)
+            proc = EngineCoreProc(engine_core, stats_interval_s)
+            # The model and the imports live as long as the process: freeze them so the
+            # collector's full passes, triggered by per-step garbage, stop walking them.
+            gc.collect()
+            gc.freeze()
+            out_thread = threading.Thread(target=proc._output_thread, args=(out_sock,),
+                                          name="engine-output", daemon=True)
+            out_thread.start()
+            in_thread = threading.Thread(target=proc._input_thread, args=(in_sock,),
+                                         name="engine-input", daemon=True)
+            in_thread.start()
+            proc.output_queue.put((OutputTag.READY, _handshake(engine_core, engine_args)))
+            proc.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException as e:  # report anything, even a KeyboardInterrupt, before dying
+            exit_code = 1
+            reason = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            logger.error("engine core failed: %s: %s", type(e).__name__, e)
+            if out_thread is not None and proc is not None:
+                proc.output_queue.put((OutputTag.DEAD, EngineDead(reason)))
+            else:  # failed before the output thread existed: send from here
+                out_sock.send_multipart([OutputTag.DEAD,
+                                         msgspec.msgpack.encode(EngineDead(reason))])
+        finally:
+            if proc is not None:
+                proc.output_queue.put(_STOP)
+                if out_thread is not None:
+                    out_thread.join(timeout=5)
+                try:
+                    proc.engine_core.shutdown()
+                except Exception:
+                    logger.exception("engine shutdown failed")
+            if in_thread is None:
+                in_sock.close()  # otherwise the input thread owns it and closes it on ETERM
+            out_sock.close()  # waits up to LINGER for queued messages (the DEAD one) to leave
+            ctx.term()
+        os._exit(exit_code)  # daemon threads may still block in recv: do not wait for them
+
+    # ------------------------------------------------------------------ the busy loop
+    def run_busy_loop(self) -> None:
+        """Take inputs, step, emit — until SHUTDOWN. Blocks on the input queue when idle."""
+        engine_core = self.engine_core
+        while not self._shutdown:
+            self._process_input_queue()
+            if self._shutdown or not engine_core.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            outputs = engine_core.step()
+            self._record_step(time.perf_counter() - t0)
+            now = time.monotonic()
+            if now - self._last_stats_time >= self.stats_interval_s:
+                outputs.scheduler_stats = self._take_stats(now)
+            if outputs.outputs or outputs.scheduler_stats is not None:
+                if not outputs.timestamp:
+                    outputs.timestamp = now
+                self.output_queue.put((OutputTag.OUTPUTS, outputs))
+
+    def _process_input_queue(self) -> None:
+        q = self.input_queue
+        if not self.engine_core.has_unfinished_requests() and q.empty():
+            # Going idle: one last snapshot so the client sees the drained state (KV usage 0).
+            if self._stats_dirty:
+                self.output_queue.put((OutputTag.OUTPUTS, EngineCoreOutputs(
+                    scheduler_stats=self._take_stats(time.monotonic()),
+                    timestamp=time.monotonic())))
+            self._handle(*q.get())
+        while not q.empty() and not self._shutdown:
+            self._handle(*q.get_nowait())
+
+    def _handle(self, tag: bytes, msg: Any) -> None:
+        if tag == InputTag.ADD:
+            self._add_request(msg)
+        elif tag == InputTag.ABORT:
+            self.engine_core.abort_requests(msg)
+            self._stats_dirty = True
+        elif tag == InputTag.UTILITY:
+            self._call_utility(msg)
+        elif tag == InputTag.SHUTDOWN:
+            self._shutdown = True
+        elif tag == OutputTag.REQUEST_ERROR:  # a request the input thread could not decode
+            self.output_queue.put((tag, msg))
+
+    def _add_request(self, req: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(req)
+        except QueueFullError as e:
+            self._reject(req.request_id, "queue_full", str(e))
+        except AdmissionError as e:
+            self._reject(req.request_id, "admission", str(e))
+        except ValueError as e:
+            self._reject(req.request_id, "invalid", str(e))
+
+    def _reject(self, request_id: str, kind: str, message: str) -> None:
+        self._stats_dirty = True
+        self.output_queue.put((OutputTag.REQUEST_ERROR, RequestError(request_id, kind, message)))
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        try:
+            if call.method not in UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {call.method!r}; "
+                                 f"known: {sorted(UTILITY_METHODS)}")
+            if call.method == "ping":
+                result: Any = PingResult(self._num_steps(),
+                                         _num_unfinished(self.engine_core))
+            elif call.method == "get_stats":
+                result = self.engine_core.get_stats()
+            else:
+                result = getattr(self.engine_core, call.method)(*call.args)
+        except Exception as e:
+            self.output_queue.put((OutputTag.UTILITY_RESULT,
+                                   (call.call_id, None, f"{type(e).__name__}: {e}")))
+            return
+        # Encoded by the output thread, like everything else that leaves the loop.
+        self.output_queue.put((OutputTag.UTILITY_RESULT, (call.call_id, result, None)))
+
+    # ------------------------------------------------------------------ stats
+    def _record_step(self, seconds: float) -> None:
+        self._stats_dirty = True
+        num_tokens = _last_step_num_tokens(self.engine_core)
+        if num_tokens:  # a step that scheduled nothing ran no forward pass
+            self._step_seconds.append(seconds)
+            self._step_num_tokens.append(num_tokens)
+
+    def _take_stats(self, now: float) -> SchedulerStats:
+        stats = self.engine_core.get_stats()
+        stats.step_num_tokens, self._step_num_tokens = self._step_num_tokens, []
+        stats.step_seconds, self._step_seconds = self._step_seconds, []
+        self._last_stats_time = now
+        self._stats_dirty = False
+        return stats
+
+    def _num_steps(self) -> int:
+        return self.engine_core.get_stats().num_steps
+
+    # ------------------------------------------------------------------ socket threads
+    def _input_thread(self, sock: zmq.Socket) -> None:
+        decoders = {
+            InputTag.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+            InputTag.ABORT: msgspec.msgpack.Decoder(list[str]),
+            InputTag.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+        }
+        parent = multiprocessing.parent_process()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while True:
+                if not poller.poll(PARENT_POLL_MS):
+                    if parent is not None and not parent.is_alive():
+                        logger.warning("the API process is gone; shutting the engine down")
+                        self.input_queue.put((InputTag.SHUTDOWN, None))
+                        return
+                    continue
+                tag_frame, payload = sock.recv_multipart(copy=False)
+                tag = tag_frame.bytes
+                if tag == InputTag.SHUTDOWN:
+                    self.input_queue.put((tag, None))
+                    return
+                try:
+                    msg = decoders[tag].decode(payload.buffer)
+                except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                    self._report_undecodable(tag, payload.bytes, e)
+                    continue
+                self.input_queue.put((tag, msg))
+        except zmq.ZMQError:
+            pass  # the context is being terminated at shutdown
+        finally:
+            sock.close()
+
+    def _report_undecodable(self, tag: bytes, payload: bytes, error: Exception) -> None:
+        logger.error("cannot decode a %r message: %s", tag, error)
+        if tag != InputTag.ADD:
+            return
+        try:  # EngineCoreRequest is array-like: its first field is the request id
+            request_id = str(msgspec.msgpack.decode(payload)[0])
+        except Exception:
+            return
+        self.input_queue.put((OutputTag.REQUEST_ERROR,
+                              RequestError(request_id, "invalid", f"invalid request: {error}")))
+
+    def _output_thread(self, sock: zmq.Socket) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP:
+                return
+            tag, msg = item
+            if tag == OutputTag.UTILITY_RESULT:
+                call_id, result, error = msg
+                msg = UtilityResult(call_id, error=error) if error is not None else \
+                    UtilityResult(call_id, msgspec.Raw(encoder.encode(result)))
+            sock.send_multipart([tag, encoder.encode(msg)], copy=False)
+
+
+def _handshake(engine_core: EngineCore, engine_args: EngineArgs) -> EngineReady:
+    sched = engine_core.scheduler
+    max_model_len = getattr(engine_core, "max_model_len", None) or sched.config.max_model_len
+    model_config = getattr(engine_core, "model_config", None)
+    eos = (getattr(engine_core, "eos_token_ids", None)
+           or getattr(model_config, "eos_token_ids", None) or [])
+    return EngineReady(
+        pid=os.getpid(),
+        model_name=engine_args.served_model_name or engine_args.model,
+        model_path=str(getattr(engine_core, "model_path", "") or engine_args.model),
+        max_model_len=int(max_model_len),
+        num_gpu_blocks=sched.cache_config.num_blocks,
+        block_size=sched.cache_config.block_size,
+        max_num_seqs=sched.config.max_num_seqs,
+        max_num_batched_tokens=sched.config.max_num_batched_tokens,
+        eos_token_ids=[int(t) for t in eos],
+        vocab_size=int(getattr(model_config, "vocab_size", 0) or 0))
+
+
+def _last_step_num_tokens(engine_core: EngineCore) -> int:
+    return int(getattr(engine_core, "last_step_num_tokens", 0))
+
+
+def _num_unfinished(engine_core: EngineCore) -> int:
+    sched = engine_core.scheduler
+    return sched.get_num_unfinished_requests()
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(0)

@@ -1,0 +1,78 @@
+"""Build a ready EngineCore (scheduler + CPU executor over a real model) from EngineArgs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmtower.core.sched.scheduler import Scheduler
+from llmtower.engine.args import EngineArgs, parse_bytes
+from llmtower.engine.core import EngineCore
+from llmtower.executor.cpu_executor import CPUExecutor
+from llmtower.executor.kv_cache import bytes_per_block
+from llmtower.models.config import ModelConfig
+from llmtower.models.loader import load_model_config, load_state_dict, resolve_model_path
+from llmtower.models.weights import resolve_dtype
+
+# The default context length when the model's own is longer: KV memory and the rotary tables
+# grow with it, and few CPU workloads need more.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+def resolve_max_model_len(requested: int, config: ModelConfig) -> int:
+    """``requested`` (0: the model's own, capped at 8192), checked against the model."""
+    limit = config.max_position_embeddings
+    window = config.sliding_window
+    if window and window < limit:
+        # Sliding-window attention is not implemented; within the window it equals full attention.
+        limit = window
+    if requested == 0:
+        return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+    if requested > limit:
+        why = (f"its sliding window is {window} tokens (sliding-window attention is not supported)"
+               if limit == window else f"max_position_embeddings is {limit}")
+        raise ValueError(f"max_model_len={requested} is longer than the model allows ({why}): "
+                         f"use --max-model-len {limit} or less")
+    return requested
+
+
+def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(device KV blocks, CPU swap blocks) from --num-gpu-blocks / --kv-cache-memory and
+    --swap-space (swap space only under preemption_mode=swap)."""
+    per_block = bytes_per_block(config, args.block_size, dtype)
+    if args.num_gpu_blocks:
+        num_blocks = args.num_gpu_blocks
+    else:
+        num_blocks = parse_bytes(args.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory!r} holds no KV block (one block "
+                             f"of {args.block_size} tokens takes {per_block} bytes for this model): "
+                             "give the KV cache more memory")
+    num_cpu_blocks = 0
+    if args.preemption_mode == "swap":
+        num_cpu_blocks = parse_bytes(args.swap_space) // per_block
+    return num_blocks, num_cpu_blocks
+
+
+def create_engine_core(args: EngineArgs) -> EngineCore:
+    """Resolve and load the model, size the KV cache, and wire Scheduler + CPUExecutor into an
+    EngineCore. The core also carries ``model_config``, ``model_path``, ``max_model_len``,
+    ``dtype`` and ``num_threads`` for its frontends."""
+    torch.set_num_threads(args.threads)
+    path: Path = resolve_model_path(args.model)
+    config = load_model_config(path)
+    dtype = resolve_dtype(args.dtype)
+    max_model_len = resolve_max_model_len(args.max_model_len, config)
+    num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
+    cache_config = args.create_cache_config(num_blocks, num_cpu_blocks)
+    scheduler_config = args.create_scheduler_config(max_model_len)
+    state_dict = load_state_dict(path, dtype)
+    executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed)
+    del state_dict
+    core = EngineCore(Scheduler(scheduler_config, cache_config), executor)
+    core.model_config = config  # type: ignore[attr-defined]
+    core.model_path = path  # type: ignore[attr-defined]
+    core.max_model_len = max_model_len  # type: ignore[attr-defined]
+    core.dtype = dtype  # type: ignore[attr-defined]
+    core.num_threads = args.threads  # type: ignore[attr-defined]
+    return core

@@ -1,0 +1,41 @@
+"""The CPU executor: the real model behind the ``Executor`` protocol."""
+from __future__ import annotations
+
+import torch
+
+from llmtower.core.config import CacheConfig
+from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llmtower.executor.kv_cache import KVCache
+from llmtower.executor.model_runner import ModelRunner
+from llmtower.models.config import ModelConfig
+from llmtower.models.llama import LlamaForCausalLM
+
+
+class CPUExecutor:
+    """Owns the model, its paged KV cache (and swap space) and the model runner. Each step it
+    performs the scheduler's block moves, in the order swap-out, swap-in, copy, and then the
+    forward pass and sampling."""
+
+    def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
+                 seed: int = 0) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len} must be at least 1")
+        self.model_config = model_config
+        self.dtype = dtype
+        self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len)
+        self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
+                                cache_config.block_size, dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed)
+        self.num_steps = 0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        so = scheduler_output
+        self.kv_cache.swap_out(so.blocks_to_swap_out)
+        self.kv_cache.swap_in(so.blocks_to_swap_in)
+        self.kv_cache.copy(so.blocks_to_copy)
+        return self.runner.execute_model(so)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,183 @@
+"""The model runner: one ``SchedulerOutput`` in, one forward pass and sampling, tokens out.
+
+One step:
+  1. apply the scheduler's deltas to the persistent ``InputBatch`` (finished requests leave,
+     new ones get a row, cached ones get new blocks / a new progress count);
+  2. build the flat batch with vectorized numpy: for the scheduled requests in order, their
+     new tokens' ids, positions and KV slots, and which rows reach the end of their sequence
+     (those are sampled);
+  3. plan the attention once for all layers (``AttentionMetadata``): single-token queries are
+     grouped by context length, longer chunks are handled one by one;
+  4. run the model over all T tokens, sample, append the sampled tokens to the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmtower.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from llmtower.executor.input_batch import InputBatch
+from llmtower.executor.kv_cache import KVCache
+from llmtower.executor.sampler import Sampler
+from llmtower.models.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSeq
+from llmtower.models.llama import LlamaForCausalLM
+
+# Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU
+# cache between the gather and the attention that reads it.
+import os
+DECODE_GROUP_BYTES = int(os.environ.get("LT_DGB", 6 * 2**20))
+
+
+@dataclass
+class StepInputs:
+    """The flat batch of one step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+    sample_mask: np.ndarray  # [num requests] which scheduled requests are sampled
+    sample_rows: np.ndarray  # [S] their InputBatch rows
+
+
+class ModelRunner:
+    """Owns the model, the persistent ``InputBatch``, the attention planner and the sampler;
+    the KV tensors it attends over belong to the ``KVCache`` it is given."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_model_len: int,
+                 seed: int = 0) -> None:
+        cfg = model.config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = bs = kv_cache.block_size
+        self.max_model_len = max_model_len
+        self.batch = InputBatch(max_model_len, bs, cfg.vocab_size, cfg.eos_token_ids)
+        elem = torch.empty((), dtype=model.dtype).element_size()
+        bytes_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+        self.decode_group_tokens = max(bs, DECODE_GROUP_BYTES // bytes_per_token)
+        buffer_blocks = max(self.decode_group_tokens // bs + 1, self.batch.max_blocks_per_req)
+        self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, bs, model.dtype, buffer_blocks)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            batch.remove_request(rid)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        for c in so.scheduled_cached_reqs:
+            batch.update_request(c)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(so, req_ids)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
+                            self.attn, inputs.meta, inputs.logits_indices)
+        tokens, logprobs = self.sampler(logits, inputs.sample_rows, batch)
+        batch.append_sampled(inputs.sample_rows, tokens)
+        return self._output(req_ids, inputs.sample_mask, tokens, logprobs)
+
+    # ------------------------------------------------------------------ step inputs
+    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> StepInputs:
+        batch, bs = self.batch, self.block_size
+        n = len(req_ids)
+        r2r = batch.req_id_to_row
+        rows = np.fromiter((r2r[r] for r in req_ids), dtype=np.int64, count=n)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        start = batch.num_computed_tokens[rows]
+        end = start + num_sched
+        num_tokens = batch.num_tokens[rows]
+        if (end > num_tokens).any():
+            bad = req_ids[int(np.flatnonzero(end > num_tokens)[0])]
+            raise RuntimeError(f"request {bad!r} was scheduled past the tokens the runner holds: "
+                               "the scheduler and the runner disagree on its sequence")
+        # Flat batch order: single-token queries first, sorted by context length so that each
+        # decode group is a run of consecutive rows; then the longer chunks.
+        is_dec = num_sched == 1
+        dec = np.flatnonzero(is_dec)
+        order = np.concatenate([dec[np.argsort(end[dec], kind="stable")], np.flatnonzero(~is_dec)])
+        o_rows, o_sched, o_start, o_end = rows[order], num_sched[order], start[order], end[order]
+        cu = np.cumsum(o_sched)
+        first = cu - o_sched
+        total = int(cu[-1])
+        tok_rows = np.repeat(o_rows, o_sched)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(o_start - first, o_sched)
+        block_idx = positions // bs
+        if (block_idx >= batch.num_blocks[tok_rows]).any():
+            raise RuntimeError("a scheduled token has no KV block in its request's block table: "
+                               "the scheduler's block ids and the runner's disagree")
+        slots = batch.block_table[tok_rows, block_idx] * bs + positions % bs
+        input_ids = batch.token_ids[tok_rows, positions].astype(np.int64)
+        batch.num_computed_tokens[rows] = end
+        # Sampled: requests whose computed tokens reach the end of their sequence, in the
+        # scheduler's order, each from the flat row of its last token.
+        sample_mask = end >= num_tokens
+        last_row = np.empty(n, dtype=np.int64)
+        last_row[order] = cu - 1
+        meta = AttentionMetadata(total, torch.from_numpy(slots))
+        k = len(dec)
+        self._plan_decodes(meta, o_rows[:k], o_end[:k])
+        self._plan_prefills(meta, o_rows[k:], o_sched[k:], first[k:], o_start[k:], o_end[k:])
+        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
+                          torch.from_numpy(last_row[sample_mask]), sample_mask, rows[sample_mask])
+
+    def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
+        """Cut the single-token queries (flat rows 0..len(rows), ascending context length)
+        into groups whose padded K/V fit the group budget."""
+        m = len(rows)
+        if m == 0:
+            return
+        bs = self.block_size
+        padded = -(-end // bs) * bs  # context rounded up to whole blocks
+        budget = self.decode_group_tokens
+        table = self.batch.block_table
+        i = 0
+        while i < m:
+            j = i + 1
+            # Ascending: a group's padded length is that of its last member.
+            while j < m and (j + 1 - i) * padded[j] <= budget:
+                j += 1
+            nb = int(padded[j - 1]) // bs
+            length = nb * bs
+            mask = np.arange(length)[None, :] < end[i:j, None]
+            meta.decode_groups.append(DecodeGroup(
+                start=i, stop=j,
+                block_ids=torch.from_numpy(table[rows[i:j], :nb].reshape(-1)),
+                num_blocks=nb,
+                mask=torch.from_numpy(mask).view(j - i, 1, 1, length)))
+            i = j
+
+    def _plan_prefills(self, meta: AttentionMetadata, rows: np.ndarray, num_sched: np.ndarray,
+                       first: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        bs = self.block_size
+        for i in range(len(rows)):
+            s, e, q = int(start[i]), int(end[i]), int(num_sched[i])
+            p = PrefillSeq(int(first[i]), q, s)
+            if s > 0:
+                nb = -(-e // bs)
+                p.block_ids = torch.from_numpy(self.batch.block_table[rows[i], :nb].copy())
+                # Query i (position s + i) sees keys 0 .. s + i: causal, offset by the context.
+                p.mask = torch.from_numpy(
+                    np.arange(e)[None, :] <= (s + np.arange(q))[:, None])
+            meta.prefills.append(p)
+
+    # ------------------------------------------------------------------ output
+    @staticmethod
+    def _output(req_ids: list[str], sample_mask: np.ndarray, tokens: np.ndarray,
+                logprobs: list[LogprobsEntry | None] | None) -> ModelRunnerOutput:
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        tok_list = tokens.tolist()
+        idx = np.flatnonzero(sample_mask).tolist()
+        for j, i in enumerate(idx):
+            sampled[i].append(tok_list[j])
+        out_lp: list[list[LogprobsEntry]] | None = None
+        if logprobs is not None:
+            out_lp = [[] for _ in req_ids]
+            for j, i in enumerate(idx):
+                if logprobs[j] is not None:
+                    out_lp[i].append(logprobs[j])
+        return ModelRunnerOutput(req_ids, sampled, out_lp)

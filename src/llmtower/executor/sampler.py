@@ -1,0 +1,144 @@
+"""The sampler: from one step's logits to one token per sampled request.
+
+Order of operations (as in vLLM): logprobs are taken from the raw model distribution
+(``log_softmax`` of the logits); then min_tokens masks EOS and stop tokens; the repetition
+penalty (Hugging Face's, over prompt and output) and the presence / frequency penalties
+(OpenAI's, over the output) change the logits; greedy rows take the argmax of those; the other
+rows are divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
+
+Sampling uses the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry,
+which draws from ``p``. A request with a seed has its own ``torch.Generator``, seeded once and
+advanced by exactly one vocabulary-sized draw per token, so its tokens do not depend on what
+else is in the batch; the others share the sampler's generator.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmtower.core.outputs import LogprobsEntry
+from llmtower.executor.input_batch import InputBatch
+
+
+class Sampler:
+    """Owns the shared random generator; samples the rows of one step from their logits,
+    reading each request's settings from the ``InputBatch``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch
+                 ) -> tuple[np.ndarray, list[LogprobsEntry | None] | None]:
+        """logits [S, vocab] float32 for batch ``rows`` -> (token ids [S], logprobs per row
+        or None when no row asked for them)."""
+        greedy = batch.temperature[rows] == 0.0
+        if greedy.all() and not batch.needs_processing[rows].any():
+            return logits.argmax(dim=-1).numpy(), None  # the common fast path
+        logprobs = self._logprobs_of_raw(logits, rows, batch)
+        logits = self._process(logits, rows, batch)
+        tokens = logits.argmax(dim=-1)
+        if not greedy.all():
+            random_idx = np.flatnonzero(~greedy)
+            sel = torch.from_numpy(random_idx)
+            tokens[sel] = self._sample(logits[sel], rows[random_idx], batch)
+        tokens_np = tokens.numpy()
+        entries = logprobs(tokens_np) if logprobs is not None else None
+        return tokens_np, entries
+
+    # ------------------------------------------------------------------ logits processing
+    def _process(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
+        needs = np.flatnonzero(batch.needs_processing[rows])
+        if needs.size == 0:
+            return logits
+        logits = logits.clone()
+        for i in needs:
+            self._process_row(logits[i], int(rows[i]), batch)
+        return logits
+
+    @staticmethod
+    def _process_row(row_logits: torch.Tensor, row: int, batch: InputBatch) -> None:
+        """Penalties and min_tokens of one request, in place (rare, so per row)."""
+        num_prompt = int(batch.num_prompt_tokens[row])
+        num_tokens = int(batch.num_tokens[row])
+        stop_ids = batch.stop_ids_for_min_tokens.get(row)
+        if stop_ids and num_tokens - num_prompt < batch.min_tokens[row]:
+            row_logits[stop_ids] = float("-inf")
+        rep = float(batch.repetition_penalty[row])
+        if rep != 1.0:
+            seen = torch.from_numpy(np.unique(batch.token_ids[row, :num_tokens]).astype(np.int64))
+            vals = row_logits[seen]
+            row_logits[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+        presence = float(batch.presence_penalty[row])
+        frequency = float(batch.frequency_penalty[row])
+        if (presence or frequency) and num_tokens > num_prompt:
+            out = torch.from_numpy(batch.token_ids[row, num_prompt:num_tokens].astype(np.int64))
+            counts = torch.bincount(out, minlength=row_logits.numel()).to(row_logits.dtype)
+            row_logits -= frequency * counts + presence * (counts > 0).to(row_logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
+        temp = torch.from_numpy(batch.temperature[rows]).unsqueeze(1)
+        logits = logits / temp
+        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+        if (top_k > 0).any() or (top_p < 1.0).any():
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = batch.min_p[rows]
+        if (min_p > 0).any():
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.from_numpy(min_p).unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        seeded = [(i, batch.generators.get(int(r))) for i, r in enumerate(rows)]
+        if any(g is None for _, g in seeded):
+            noise.exponential_(generator=self.generator)
+        for i, g in seeded:
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _logprobs_of_raw(logits: torch.Tensor, rows: np.ndarray, batch: InputBatch):
+        k_per_row = batch.num_logprobs[rows]
+        wanted = np.flatnonzero(k_per_row >= 0)
+        if wanted.size == 0:
+            return None
+        lp = torch.log_softmax(logits[wanted], dim=-1)
+        max_k = int(k_per_row[wanted].max())
+        top_vals, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)
+
+        def entries(tokens: np.ndarray) -> list[LogprobsEntry | None]:
+            out: list[LogprobsEntry | None] = [None] * len(rows)
+            chosen = torch.from_numpy(tokens[wanted].astype(np.int64)).unsqueeze(1)
+            chosen_lp = lp.gather(1, chosen)
+            ranks = (lp > chosen_lp).sum(dim=-1) + 1
+            chosen_lp_list = chosen_lp.squeeze(1).tolist()
+            ranks_list = ranks.tolist()
+            top_v = top_vals.tolist() if top_vals is not None else None
+            top_i = top_ids.tolist() if top_ids is not None else None
+            for j, i in enumerate(wanted):
+                k = int(k_per_row[i])
+                top = list(zip(top_i[j][:k], top_v[j][:k])) if k and top_i is not None else []
+                out[i] = LogprobsEntry(int(tokens[i]), chosen_lp_list[j], ranks_list[j], top)
+            return out
+
+        return entries
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """Mask (to -inf) what top-k (0: off) and top-p (1.0: off) leave out, row by row settings."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if (top_k > 0).any():
+        k = torch.from_numpy(np.where(top_k > 0, top_k, vocab)).unsqueeze(1)
+        drop |= torch.arange(vocab).unsqueeze(0) >= k
+    if (top_p < 1.0).any():
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # before it already does. The first token is always kept.
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= torch.from_numpy(top_p).unsqueeze(1)
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
+    return logits.masked_fill(mask, float("-inf"))

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app factory and the uvicorn runner.
+
+``build_app(llm, settings)`` wires the routes to one started ``AsyncLLM``; ``serve(args)``
+starts the engine, then uvicorn, in one event loop, and shuts everything down on exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import llmtower
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.async_llm import AsyncLLM
+from llmtower.engine.core_client import EngineDeadError, EngineStartupError
+from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+from llmtower.server.errors import APIError, error_response, install_exception_handlers
+from llmtower.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from llmtower.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
+from llmtower.server.serving_chat import OpenAIServingChat
+from llmtower.server.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+# How long /ready waits for the engine loop to answer between two steps.
+READY_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ServerSettings:
+    """Owns the HTTP-side settings of ``llmtower serve`` (the engine's are in EngineArgs)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    request_timeout: float | None = None
+    max_request_body_bytes: int = 10 * 2**20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port} is invalid: use 0..65535")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes={self.max_request_body_bytes} is "
+                             "invalid: it must be >= 1")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout={self.request_timeout} is invalid: give "
+                             "seconds > 0, or leave it out for no timeout")
+
+
+def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app over a started ``AsyncLLM``."""
+    app = FastAPI(title="llmtower", version=llmtower.__version__, docs_url=None,
+                  redoc_url=None)
+    app.state.llm = llm
+    install_exception_handlers(app)
+    # Added last = outermost: the size check runs before the key check reads anything.
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    completions = OpenAIServingCompletion(llm)
+    chat = OpenAIServingChat(llm)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create_chat_completion(body, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        ready = llm.ready
+        return ModelList(data=[ModelCard(id=llm.model_name,
+                                         root=ready.model_path if ready else None,
+                                         max_model_len=llm.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.is_dead:
+            return error_response(503, f"the engine is not running: {llm.dead_reason}",
+                                  code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        try:
+            ping = await llm.ping(timeout_s=READY_TIMEOUT_S)
+        except EngineDeadError as e:
+            return error_response(503, f"the engine is not running: {e}", code="engine_dead")
+        except asyncio.TimeoutError:
+            return error_response(503, f"the engine loop did not answer within "
+                                  f"{READY_TIMEOUT_S:g} s", code="engine_busy")
+        return JSONResponse({"status": "ready", "num_steps": ping.num_steps,
+                             "num_unfinished_requests": ping.num_unfinished_requests})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": llmtower.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send exactly one of prompt or messages", 400)
+        if body.messages is not None:
+            _, ids = llm.render_chat([{"role": m.role, "content": m.text()}
+                                      for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = llm.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        completions.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
+        if bad:
+            raise APIError(f"token id(s) {bad[:5]} are outside the vocabulary "
+                           f"(0..{llm.vocab_size - 1})", 400, param="tokens")
+        return {"prompt": llm.decode(body.tokens)}
+
+    return app
+
+
+async def serve(engine_args: EngineArgs, settings: ServerSettings,
+                engine_factory: EngineFactory = default_engine_factory) -> None:
+    """Start the engine, then serve HTTP until SIGINT/SIGTERM (or cancellation); always
+    stops the engine process on the way out."""
+    # Bind before the engine loads the model: a busy port fails in a second, not a minute.
+    sock = bind_socket(settings.host, settings.port)
+    llm = AsyncLLM(engine_args, engine_factory=engine_factory,
+                   request_timeout_s=settings.request_timeout)
+    try:
+        await llm.start()
+        app = build_app(llm, settings)
+        # Everything alive now (modules, tokenizer) lives as long as the server: keep it out
+        # of the collector's reach, or every full collection walks it while serving.
+        gc.collect()
+        gc.freeze()
+        config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                                log_level=settings.log_level, access_log=False,
+                                timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        logger.info("llmtower serving %s on http://%s:%d", llm.model_name, settings.host,
+                    sock.getsockname()[1])
+        await server.serve(sockets=[sock])
+    finally:
+        llm.shutdown()
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port "
+                         "or stop the process that uses it") from None
+    return sock
+
+
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """Blocking entry point of ``llmtower serve``."""
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM (e.g. from a supervisor) shuts down like Ctrl-C: uvicorn handles both once it
+    # runs; before that, a plain KeyboardInterrupt ends the start-up.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        asyncio.run(serve(engine_args, settings))
+    except KeyboardInterrupt:
+        pass
+    except EngineStartupError as e:  # its own error and traceback were logged above
+        logger.error("%s", e)
+        return 1
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,133 @@
+"""What /v1/completions and /v1/chat/completions share: the model check, request ids, usage
+and metrics blocks, SSE framing, merging the streams of several prompts, and waiting for an
+engine result while watching for the client to hang up."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from llmtower.core.outputs import RequestMetrics
+from llmtower.engine.async_llm import AsyncLLM
+from llmtower.server.errors import APIError, error_body, to_api_error
+from llmtower.server.protocol import PromptTokensDetails, RequestMetricsInfo, UsageInfo
+
+T = TypeVar("T")
+_DONE = object()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready; its request was aborted."""
+
+
+class ServingBase:
+    """Owns the AsyncLLM handle and the served model's name for one OpenAI endpoint."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.model_name = llm.model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist: this server serves "
+                           f"{self.model_name!r} (see GET /v1/models)", 404, param="model",
+                           code="model_not_found")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+
+
+def metrics_info(m: RequestMetrics | None) -> RequestMetricsInfo | None:
+    if m is None:
+        return None
+    return RequestMetricsInfo(
+        queue_time_ms=m.queue_time * 1e3, ttft_ms=m.ttft * 1e3,
+        prefill_time_ms=m.prefill_time * 1e3, decode_time_ms=m.decode_time * 1e3,
+        e2e_latency_ms=m.e2e_latency * 1e3, num_preemptions=m.num_preemptions,
+        cached_tokens=m.num_cached_tokens)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the stream started (the status line is gone): an error event."""
+    err = to_api_error(exc)
+    return sse(json.dumps(error_body(err.status_code, err.message, err.param, err.code)))
+
+
+async def merge_streams(streams: list[AsyncGenerator[T, None]]
+                        ) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+    Closing the merged stream cancels (and so aborts) every stream still running."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(i: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, _DONE))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, awaitable: Any) -> Any:
+    """Await ``awaitable`` unless the client hangs up first: then cancel it (which aborts the
+    request in the engine) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()

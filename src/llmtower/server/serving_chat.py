@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, then one
+request with ``n`` samples, streamed (first delta carries the role) or not."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from llmtower.engine.request_output import RequestOutput, SampleLogprobs
+from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
+                                      ChatResponseMessage, ChatStreamChoice, DeltaMessage,
+                                      TopLogprob)
+from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
+                                          merge_streams, metrics_info, new_request_id, sse,
+                                          sse_error, until_disconnect)
+
+ROLE = "assistant"
+
+
+def chat_logprobs(entries: SampleLogprobs, top_k: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token its text, logprob and UTF-8 bytes, with the
+    ``top_k`` most likely alternatives."""
+    content = []
+    for d in entries:
+        (_, lp), *_ = d.items()  # the sampled token comes first
+        ranked = sorted(d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30)
+        top = [TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
+                          bytes=list((v.decoded_token or "").encode()))
+               for v in ranked[:top_k]]
+        token = lp.decoded_token or ""
+        content.append(ChatLogprobToken(token=token, logprob=lp.logprob,
+                                        bytes=list(token.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+class OpenAIServingChat(ServingBase):
+    """Owns the /v1/chat/completions endpoint: chat template, and the chat response and
+    chunk formats."""
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompt, ids = self.llm.render_chat(req.conversation(), req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}))
+        self.llm.check_prompt(ids, params)
+        request_id = new_request_id("chatcmpl")
+        stream = merge_streams([self.llm.generate(prompt, ids, params, request_id,
+                                                  priority=req.priority,
+                                                  cache_salt=req.cache_salt)])
+        try:
+            # The first output decides the status: queue-full, timeout and admission errors
+            # get their own HTTP status instead of a broken stream.
+            first = await until_disconnect(raw, anext(stream))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, len(ids), params.n, top_k,
+                                                  first, stream),
+                                     media_type="text/event-stream")
+        try:
+            return await until_disconnect(
+                raw, self._collect(req, request_id, len(ids), params.n, top_k, first, stream))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    async def _collect(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+                       n: int, top_k: int, first, stream) -> ChatCompletionResponse:
+        texts = [""] * n
+        num_tokens = [0] * n
+        logprobs: list[SampleLogprobs] = [[] for _ in range(n)]
+        finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        final: RequestOutput | None = None
+        item = first
+        while item is not None:
+            _, ro = item
+            for c in ro.outputs:
+                texts[c.index] += c.text
+                num_tokens[c.index] += len(c.token_ids)
+                if c.logprobs:
+                    logprobs[c.index].extend(c.logprobs)
+                if c.finish_reason is not None:
+                    finish[c.index] = (c.finish_reason, c.stop_reason)
+            if ro.finished:
+                final = ro
+            item = await anext(stream, None)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name,
+            choices=[ChatChoice(
+                index=i, message=ChatResponseMessage(role=ROLE, content=texts[i]),
+                logprobs=chat_logprobs(logprobs[i], top_k) if req.logprobs else None,
+                finish_reason=finish[i][0], stop_reason=finish[i][1]) for i in range(n)],
+            usage=make_usage(num_prompt, sum(num_tokens),
+                             final.num_cached_tokens if final else 0),
+            metrics=metrics_info(final.metrics if final else None) if req.include_metrics
+            else None)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+                      n: int, top_k: int, first, stream) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        model = self.model_name
+
+        def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=model,
+                                       choices=choices)
+
+        # One choice per chunk, as OpenAI streams n > 1.
+        for i in range(n):
+            yield sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
+                             ]).model_dump_json(exclude_none=True))
+        num_tokens = 0
+        final: RequestOutput | None = None
+        item = first
+        try:
+            while item is not None:
+                _, ro = item
+                choices = []
+                for c in ro.outputs:
+                    num_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not c.logprobs:
+                        continue
+                    choices.append(ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text or None),
+                        logprobs=chat_logprobs(c.logprobs, top_k) if c.logprobs else None,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if ro.finished:
+                    final = ro
+                for k, choice in enumerate(choices):
+                    out = chunk([choice])
+                    if (ro.finished and k == len(choices) - 1 and req.include_metrics
+                            and not req.include_usage):
+                        out.metrics = metrics_info(ro.metrics)
+                    yield sse(out.model_dump_json(exclude_none=True))
+                item = await anext(stream, None)
+            if req.include_usage:
+                out = chunk([])
+                out.usage = make_usage(num_prompt, num_tokens,
+                                       final.num_cached_tokens if final else 0)
+                if req.include_metrics:
+                    out.metrics = metrics_info(final.metrics if final else None)
+                yield sse(out.model_dump_json(exclude_none=True))
+        except Exception as e:  # the status line is gone: report in the stream
+            yield sse_error(e)
+        finally:
+            await stream.aclose()
+        yield SSE_DONE

@@ -1,0 +1,175 @@
+"""POST /v1/completions: one or several prompts (text or token ids), streamed or not."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from llmtower.core.outputs import RequestMetrics
+from llmtower.engine.output_processor import merge_metrics
+from llmtower.engine.request_output import RequestOutput, SampleLogprobs
+from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                      CompletionRequest, CompletionResponse)
+from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
+                                          merge_streams, metrics_info, new_request_id, sse,
+                                          sse_error, until_disconnect)
+
+Prompt = tuple[str | None, list[int]]
+
+
+def completion_logprobs(entries: SampleLogprobs, start_offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs block: the sampled token, its logprob, the top alternatives
+    (``{token text: logprob}``) and each token's character offset in the text."""
+    out = CompletionLogprobs()
+    offset = start_offset
+    for d in entries:
+        (token_id, lp), *_ = d.items()  # the sampled token comes first
+        token = lp.decoded_token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        top: dict[str, float] = {}
+        for v in d.values():  # sampled first; tokens with the same text keep the first entry
+            top.setdefault(v.decoded_token or "", v.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+class _Choice:
+    """The text, tokens and logprobs one choice has gathered so far."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: SampleLogprobs | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class OpenAIServingCompletion(ServingBase):
+    """Owns the /v1/completions endpoint: prompt normalisation, fan-out over prompts and
+    samples, and the OpenAI response and stream formats."""
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = self._prompts(req.prompt)
+        for _, ids in prompts:
+            self.llm.check_prompt(ids, params)
+        request_id = new_request_id("cmpl")
+        streams = [self.llm.generate(text, ids, params, f"{request_id}-{i}",
+                                     priority=req.priority, cache_salt=req.cache_salt)
+                   for i, (text, ids) in enumerate(prompts)]
+        merged = merge_streams(streams)
+        try:
+            # Wait for the first output before answering: queue-full, timeout and admission
+            # errors then still get their own HTTP status instead of a broken stream.
+            first = await until_disconnect(raw, anext(merged))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except StopAsyncIteration:  # pragma: no cover - every request yields at least once
+            first = None
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, request_id, prompts, params.n, first, merged),
+                media_type="text/event-stream")
+        try:
+            return await until_disconnect(
+                raw, self._collect(req, request_id, prompts, params.n, first, merged))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    def _prompts(self, prompt) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [(prompt, self.llm.encode(prompt))]
+        if not prompt:
+            raise ValueError("prompt is empty: send a string, a list of strings, or token ids")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        out: list[Prompt] = []
+        for p in prompt:
+            out.append((p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p)))
+        return out
+
+    async def _collect(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                       n: int, first, merged) -> CompletionResponse:
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        finals: list[RequestOutput] = []
+        item = first
+        while item is not None:
+            i, ro = item
+            for c in ro.outputs:
+                ch = choices[i * n + c.index]
+                ch.text += c.text
+                ch.num_tokens += len(c.token_ids)
+                if c.logprobs is not None:
+                    ch.logprobs = (ch.logprobs or []) + c.logprobs
+                if c.finish_reason is not None:
+                    ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+            if ro.finished:
+                finals.append(ro)
+            item = await anext(merged, None)
+        return CompletionResponse(
+            id=request_id, model=self.model_name,
+            choices=[CompletionChoice(
+                index=k, text=ch.text, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+                logprobs=completion_logprobs(ch.logprobs) if ch.logprobs is not None else None)
+                for k, ch in enumerate(choices)],
+            usage=make_usage(sum(len(ids) for _, ids in prompts),
+                             sum(ch.num_tokens for ch in choices),
+                             sum(ro.num_cached_tokens for ro in finals)),
+            metrics=metrics_info(_merged_metrics(finals)) if req.include_metrics else None)
+
+    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                      n: int, first, merged) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        num_tokens = 0
+        offsets = [0] * (len(prompts) * n)
+        finals: list[RequestOutput] = []
+        item = first
+        try:
+            while item is not None:
+                i, ro = item
+                choices = []
+                for c in ro.outputs:
+                    k = i * n + c.index
+                    num_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not c.logprobs:
+                        continue
+                    lp = None
+                    if c.logprobs:
+                        lp = completion_logprobs(c.logprobs, offsets[k])
+                        offsets[k] += sum(len(t) for t in lp.tokens)
+                    choices.append(CompletionChoice(index=k, text=c.text, logprobs=lp,
+                                                    finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
+                if ro.finished:
+                    finals.append(ro)
+                for j, choice in enumerate(choices):  # one choice per chunk, as OpenAI does
+                    chunk = CompletionChunk(id=request_id, created=created, model=self.model_name,
+                                            choices=[choice])
+                    if (ro.finished and j == len(choices) - 1 and req.include_metrics
+                            and not req.include_usage):
+                        chunk.metrics = metrics_info(ro.metrics)
+                    yield sse(chunk.model_dump_json(exclude_none=True))
+                item = await anext(merged, None)
+            if req.include_usage:
+                usage_chunk = CompletionChunk(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=make_usage(sum(len(ids) for _, ids in prompts), num_tokens,
+                                     sum(ro.num_cached_tokens for ro in finals)))
+                if req.include_metrics:
+                    usage_chunk.metrics = metrics_info(_merged_metrics(finals))
+                yield sse(usage_chunk.model_dump_json(exclude_none=True))
+        except Exception as e:  # the status line is gone: report in the stream
+            yield sse_error(e)
+        finally:
+            await merged.aclose()
+        yield SSE_DONE
+
+
+def _merged_metrics(finals: list[RequestOutput]) -> RequestMetrics | None:
+    return merge_metrics([ro.metrics for ro in finals])

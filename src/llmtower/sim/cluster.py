@@ -1,0 +1,76 @@
+"""Data-parallel replicas, each with its own real Scheduler, behind a load balancer."""
+from __future__ import annotations
+
+from typing import Callable
+
+from llmtower.core.config import CacheConfig, SchedulerConfig
+from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llmtower.core.request import Request
+from llmtower.core.sched.scheduler import Scheduler
+from llmtower.sim.clock import VirtualClock
+from llmtower.sim.cost_model import CostModel
+from llmtower.sim.sim_executor import SimExecutor
+
+
+class Replica:
+    """Owns one engine replica: a real ``Scheduler`` on the replica's own virtual clock, its
+    ``SimExecutor``, the arrivals it will take at its next step boundary (a real EngineCore also
+    takes new requests only between steps) and the step in flight."""
+
+    def __init__(self, index: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cost_model: CostModel) -> None:
+        self.index = index
+        self.clock = VirtualClock()
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock=self.clock)
+        self.executor = SimExecutor(cost_model, self.clock)
+        self.pending: list[Request] = []
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.peak_kv_usage = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    @property
+    def load(self) -> int:
+        """Requests this replica owes an answer: queued at it or inside its scheduler."""
+        return len(self.pending) + len(self.scheduler.requests)
+
+
+class RoundRobin:
+    """Owns the next replica index: requests go to replicas in turn."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, replicas: list[Replica]) -> int:
+        i = self._next
+        self._next = (i + 1) % len(replicas)
+        return i
+
+
+class LeastLoaded:
+    """Sends each request to the replica with the fewest unfinished requests (lowest index on
+    a tie), as a client that sees every engine's queue would."""
+
+    def choose(self, replicas: list[Replica]) -> int:
+        best, best_load = 0, replicas[0].load
+        for r in replicas[1:]:
+            load = r.load
+            if load < best_load:
+                best, best_load = r.index, load
+        return best
+
+
+LOAD_BALANCERS: dict[str, Callable[[], object]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+}
+
+
+def make_load_balancer(name: str):
+    try:
+        return LOAD_BALANCERS[name]()
+    except KeyError:
+        raise ValueError(f"load_balancer={name!r} is invalid: use one of "
+                         f"{', '.join(LOAD_BALANCERS)}") from None

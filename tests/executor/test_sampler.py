@@ -1,0 +1,137 @@
+"""The sampler on hand-made logits: greedy, temperature, top-k/p, min-p, seeds, penalties,
+min_tokens and logprobs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmtower.core.outputs import NewRequestData
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.executor.input_batch import InputBatch
+from llmtower.executor.sampler import Sampler
+
+VOCAB = 8
+EOS = 7
+LOGITS = torch.tensor([1.0, 3.0, 2.5, 0.5, -1.0, 2.9, 0.0, 4.0])  # EOS (7) is the argmax
+
+
+def make_batch(*params: SamplingParams, prompt=(3, 3, 4), outputs=()) -> tuple[InputBatch, np.ndarray]:
+    batch = InputBatch(max_model_len=64, block_size=4, vocab_size=VOCAB, eos_token_ids=[EOS])
+    rows = []
+    for i, sp in enumerate(params):
+        row = batch.add_request(NewRequestData(f"r{i}", list(prompt), sp, [0], 0))
+        if outputs:
+            batch.append_sampled(np.array([row]), np.array([outputs[0]]))
+            for t in outputs[1:]:
+                batch.append_sampled(np.array([row]), np.array([t]))
+        rows.append(row)
+    return batch, np.array(rows)
+
+
+def sample(*params: SamplingParams, logits=LOGITS, sampler=None, **kw):
+    batch, rows = make_batch(*params, **kw)
+    tokens, lps = (sampler or Sampler(seed=0))(logits.repeat(len(params), 1), rows, batch)
+    return tokens.tolist(), lps
+
+
+def test_greedy_is_the_argmax():
+    tokens, lps = sample(SamplingParams(temperature=0.0), SamplingParams(temperature=0.0))
+    assert tokens == [7, 7] and lps is None
+
+
+def test_temperature_sampling_follows_the_softmax():
+    sp = SamplingParams(temperature=2.0)
+    batch, rows = make_batch(*[sp] * 4000)
+    tokens, _ = Sampler(seed=0)(LOGITS.repeat(4000, 1), rows, batch)
+    freq = np.bincount(tokens, minlength=VOCAB) / 4000
+    expected = torch.softmax(LOGITS / 2.0, -1).numpy()
+    assert np.abs(freq - expected).max() < 0.03
+
+
+def test_top_k_top_p_min_p_restrict_the_candidates():
+    n = 300
+    tokens, _ = sample(*[SamplingParams(temperature=5.0, top_k=2)] * n)
+    assert set(tokens) == {7, 1}
+    # softmax(LOGITS): 7 -> 0.43, 1 -> 0.16, 5 -> 0.14, ... top_p 0.5 keeps {7, 1}.
+    tokens, _ = sample(*[SamplingParams(temperature=1.0, top_p=0.5)] * n)
+    assert set(tokens) == {7, 1}
+    # min_p 0.3: keep tokens with at least 0.3 * p(7) = 0.13 -> {7, 1, 5}.
+    tokens, _ = sample(*[SamplingParams(temperature=1.0, min_p=0.3)] * n)
+    assert set(tokens) == {7, 1, 5}
+    tokens, _ = sample(*[SamplingParams(temperature=1.0, top_k=1)] * 20)
+    assert set(tokens) == {7}
+
+
+def test_seeded_request_does_not_depend_on_its_neighbours():
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    s1, s2 = Sampler(seed=1), Sampler(seed=2)  # different shared generators
+    batch1, rows1 = make_batch(seeded)
+    batch2, rows2 = make_batch(SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.0))
+    seq1 = [int(s1(LOGITS[None], rows1, batch1)[0][0]) for _ in range(30)]
+    seq2 = [int(s2(LOGITS.repeat(3, 1), rows2, batch2)[0][1]) for _ in range(30)]
+    assert seq1 == seq2
+    assert len(set(seq1)) > 1  # it does sample, and its generator advances per token
+
+
+def test_repetition_penalty_discourages_prompt_and_output_tokens():
+    logits = torch.tensor([0.0, 2.0, 1.9, 0.0, 1.0, 0.0, 0.0, -5.0])
+    tokens, _ = sample(SamplingParams(temperature=0.0), logits=logits, prompt=(1, 0))
+    assert tokens == [1]
+    # 2.0 / 1.5 = 1.33 < 1.9
+    tokens, _ = sample(SamplingParams(temperature=0.0, repetition_penalty=1.5), logits=logits,
+                       prompt=(1, 0))
+    assert tokens == [2]
+    # A negative logit is multiplied (-1.0 * 1.5 = -1.5 < -1.2), not divided.
+    negative = torch.tensor([-1.0, -1.2, -3.0, -3.0, -3.0, -3.0, -3.0, -3.0])
+    tokens, _ = sample(SamplingParams(temperature=0.0, repetition_penalty=1.5), logits=negative,
+                       prompt=(0,))
+    assert tokens == [1]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.tensor([0.0, 2.0, 1.5, 0.0, 0.0, 0.0, 0.0, -5.0])
+    # Token 1 in the prompt only: no effect.
+    tokens, _ = sample(SamplingParams(temperature=0.0, presence_penalty=1.0), logits=logits,
+                       prompt=(1, 1))
+    assert tokens == [1]
+    # Token 1 generated once: 2.0 - 1.0 presence = 1.0 < 1.5.
+    tokens, _ = sample(SamplingParams(temperature=0.0, presence_penalty=1.0), logits=logits,
+                       outputs=(1,))
+    assert tokens == [2]
+    # Frequency: 2.0 - 0.2 * 2 = 1.6 > 1.5, but 2.0 - 0.2 * 3 = 1.4 < 1.5.
+    tokens, _ = sample(SamplingParams(temperature=0.0, frequency_penalty=0.2), logits=logits,
+                       outputs=(1, 1))
+    assert tokens == [1]
+    tokens, _ = sample(SamplingParams(temperature=0.0, frequency_penalty=0.2), logits=logits,
+                       outputs=(1, 1, 1))
+    assert tokens == [2]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1], max_tokens=8)
+    tokens, _ = sample(sp, outputs=(4,))  # 1 output so far: EOS (7) and stop token 1 masked
+    assert tokens == [5]
+    tokens, _ = sample(sp, outputs=(4, 4))  # 2 outputs: no mask
+    assert tokens == [7]
+    ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, max_tokens=8)
+    tokens, _ = sample(ignore, outputs=(4,))
+    assert tokens == [7]  # with ignore_eos, EOS is not a stop token, so it is not masked
+
+
+def test_logprobs_of_the_raw_distribution():
+    sp = SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0)
+    tokens, lps = sample(sp, SamplingParams(temperature=0.0), prompt=(7,))
+    raw = torch.log_softmax(LOGITS, -1)
+    assert lps[1] is None
+    e = lps[0]
+    assert tokens[0] == e.token_id == 1  # the penalty moved the choice off 7...
+    assert e.logprob == pytest.approx(raw[1].item())  # ...but logprobs are of the raw logits
+    assert e.rank == 2
+    assert [t for t, _ in e.top] == [7, 1, 5]
+    assert [v for _, v in e.top] == pytest.approx(raw[[7, 1, 5]].tolist())
+
+
+def test_logprobs_zero_gives_only_the_sampled_token():
+    tokens, lps = sample(SamplingParams(temperature=0.0, logprobs=0))
+    assert lps[0].top == [] and lps[0].rank == 1 and lps[0].token_id == 7
