@@ -315,6 +315,8 @@ def test_queue_limits_raise_queue_full():
     e2.scheduler.add_request(make_request("a", [1] * 8))
     with pytest.raises(QueueFullError, match="max_num_queued_tokens"):
         e2.scheduler.add_request(make_request("b", [1] * 3))
+    with pytest.raises(AdmissionError, match="max_num_queued_tokens"):  # could never be queued
+        e2.scheduler.add_request(make_request("c", [1] * 11))
 
 
 def test_max_tokens_is_capped_by_cache_capacity():

@@ -130,13 +130,30 @@ def test_body_over_the_limit_is_413(limited_server):
 
 
 def test_queue_limit_is_429_with_retry_after(limited_server):
-    # More prompt tokens than --max-num-queued-tokens=64 can ever hold in the queue.
+    client = _limited_client(limited_server)
+    # --max-num-seqs 1: one sample of the blocker runs, the other three wait in the queue and
+    # hold some of its --max-num-queued-tokens=64; a 62-token prompt no longer fits beside them.
+    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=4,
+                                        stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(blocker))
+        r = httpx.post(f"{limited_server.base_url}/v1/completions",
+                       json={"model": MODEL, "prompt": [7] * 62, "max_tokens": 2},
+                       headers={"Authorization": "Bearer sesame"}, timeout=30)
+        err = _error(r, 429)
+        assert "max_num_queued_tokens" in err["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        blocker.close()
+
+
+def test_prompt_larger_than_the_whole_queue_is_400(limited_server):
+    # More prompt tokens than --max-num-queued-tokens=64 can ever hold: retrying cannot help.
     r = httpx.post(f"{limited_server.base_url}/v1/completions",
                    json={"model": MODEL, "prompt": [7] * 100, "max_tokens": 2},
                    headers={"Authorization": "Bearer sesame"}, timeout=30)
-    err = _error(r, 429)
+    err = _error(r, 400)
     assert "max_num_queued_tokens" in err["message"]
-    assert int(r.headers["retry-after"]) >= 1
 
 
 def test_request_still_queued_after_the_timeout_is_408(limited_server):

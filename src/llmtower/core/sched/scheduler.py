@@ -109,6 +109,12 @@ class Scheduler:
                 f"request {rid!r} needs {min_len} tokens but the whole KV cache holds only "
                 f"{capacity} ({self.cache_config.num_blocks} blocks of "
                 f"{self.cache_config.block_size}); give the KV cache more memory")
+        if cfg.max_num_queued_tokens and request.num_tokens > cfg.max_num_queued_tokens:
+            self.num_rejected += 1
+            raise AdmissionError(
+                f"request {rid!r} has {request.num_tokens} prompt tokens, more than the waiting "
+                f"queue may ever hold (max_num_queued_tokens={cfg.max_num_queued_tokens}); "
+                "shorten the prompt")
         if cfg.max_num_queued_reqs and len(self.waiting) >= cfg.max_num_queued_reqs:
             self.num_rejected += 1
             raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
