@@ -164,15 +164,20 @@ def test_preemption_picks_latest_arrival_and_late_output_is_handled():
     assert s.requests["C"].times.preempted
 
 
-def test_swap_preemption_moves_victim_to_swapped_and_back():
-    e = make_engine(num_blocks=6, num_cpu_blocks=8, preemption_mode="swap", max_model_len=64,
-                    enable_prefix_caching=False)
-    s = e.scheduler
+def _three_requests_at_the_block_limit(**kw):
+    """6 blocks of 4 slots; A, B, C hold 2 blocks each and the next step needs a third."""
+    e = make_engine(num_blocks=6, preemption_mode="swap", max_model_len=64,
+                    enable_prefix_caching=False, **kw)
     for i, name in enumerate("ABC"):
-        s.add_request(make_request(name, [10 + i] * 7, max_tokens=3, arrival=float(i),
-                                   ignore_eos=True))
+        e.scheduler.add_request(make_request(name, [10 + i] * 7, max_tokens=3, arrival=float(i),
+                                             ignore_eos=True))
     step_plan(e)
     step_plan(e)
+    return e, e.scheduler
+
+
+def test_swap_preemption_moves_victim_to_swapped_and_back():
+    e, s = _three_requests_at_the_block_limit(num_cpu_blocks=8)
     so = s.schedule()
     assert so.preempted_req_ids == {"C"} and len(so.blocks_to_swap_out) == 2
     assert [r.request_id for r in s.swapped] == ["C"]
@@ -183,14 +188,7 @@ def test_swap_preemption_moves_victim_to_swapped_and_back():
 
 
 def test_swap_falls_back_to_recompute_without_cpu_blocks():
-    e = make_engine(num_blocks=6, num_cpu_blocks=1, preemption_mode="swap", max_model_len=64,
-                    enable_prefix_caching=False)
-    s = e.scheduler
-    for i, name in enumerate("ABC"):
-        s.add_request(make_request(name, [10 + i] * 7, max_tokens=3, arrival=float(i),
-                                   ignore_eos=True))
-    step_plan(e)
-    step_plan(e)
+    e, s = _three_requests_at_the_block_limit(num_cpu_blocks=1)
     s.schedule()
     assert not s.swapped and s.requests["C"].status == RequestStatus.PREEMPTED
 
