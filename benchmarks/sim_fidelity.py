@@ -98,7 +98,8 @@ def run_real(engine, trace, seed: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--input-len", default="uniform:32-256")
@@ -130,9 +131,11 @@ def main() -> int:
             save_samples(samples, args.save_samples)
         print(f"other processes used {100 * cal_cpu.share:.0f}% of the CPU meanwhile")
         print(f"calibrated in {time.perf_counter() - t0:.0f} s: {device.peak_flops / 1e9:.1f} "
-              f"GFLOP/s, {device.mem_bandwidth / 1e9:.2f} GB/s, step {device.step_overhead_s * 1e3:.2f} "
+              f"GFLOP/s, {device.mem_bandwidth / 1e9:.2f} GB/s ({device.overlap}), step "
+              f"{device.step_overhead_s * 1e3:.2f} "
               f"ms + {device.seq_overhead_s * 1e6:.0f} us/request; fit mean |err| "
-              f"{100 * report['mean_abs_rel_err']:.1f}% over {report['points_used']} steps", flush=True)
+              f"{100 * report['mean_abs_rel_err']:.1f}% over {report['points_used']} steps",
+              flush=True)
         if args.save_profile:
             save_profile(device, args.save_profile)
 
@@ -150,7 +153,8 @@ def main() -> int:
                             max_num_seqs=sched.config.max_num_seqs,
                             max_num_batched_tokens=sched.config.max_num_batched_tokens)
     engine.shutdown()
-    sim = build_result(Simulator(SimConfig(engine=sim_engine, device=device, model=model)).run(trace)).summary
+    simulator = Simulator(SimConfig(engine=sim_engine, device=device, model=model))
+    sim = build_result(simulator.run(trace)).summary
 
     rows = [("request throughput (req/s)", real["request_throughput"], sim["request_throughput"]),
             ("output throughput (tok/s)", real["output_throughput"], sim["output_throughput"]),
@@ -162,7 +166,8 @@ def main() -> int:
     print(f"{'':<28}{'real':>12}{'simulated':>12}{'diff':>9}")
     for name, r, s in rows:
         print(f"{name:<28}{r:>12.2f}{s:>12.2f}{100 * (s - r) / r:>8.1f}%")
-    thr_err = abs(sim["request_throughput"] - real["request_throughput"]) / real["request_throughput"]
+    real_thr = real["request_throughput"]
+    thr_err = abs(sim["request_throughput"] - real_thr) / real_thr
     ttft_err = abs(sim["ttft_ms"]["mean"] - real["ttft_ms"]["mean"]) / real["ttft_ms"]["mean"]
     ok = thr_err <= 0.15 and ttft_err <= 0.15
     print(f"throughput within {100 * thr_err:.1f}%, mean TTFT within {100 * ttft_err:.1f}% "

@@ -85,7 +85,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,30000,100000")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--rate", type=float, default=500.0, help="requests/s for the whole cluster")
@@ -107,7 +108,8 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     rows = []
-    print(f"{'requests':>9}{'wall s':>9}{'cpu s':>8}{'req/s wall':>12}{'us/out tok':>12}{'sched %':>9}"
+    print(f"{'requests':>9}{'wall s':>9}{'cpu s':>8}{'req/s wall':>12}{'us/out tok':>12}"
+          f"{'sched %':>9}"
           f"{'sim s':>9}{'steps':>9}")
     for n in sizes:
         r = run_one(n, args)

@@ -30,7 +30,8 @@ def test_tracker_matches_the_scheduler_step_by_step(mode, budget, blocks, prefix
                     enable_prefix_caching=prefix))
     shared = [rng.randrange(50) for _ in range(12)]
     for i in range(30):
-        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+        own = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+        prompt = (shared if i % 3 == 0 else []) + own
         sched.add_request(Request(str(i), prompt, SamplingParams(
             max_tokens=rng.randint(1, 12), ignore_eos=True), arrival_time=float(i)))
     tracker = BatchTracker()

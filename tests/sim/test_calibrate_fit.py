@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -40,7 +41,20 @@ def test_the_fit_recovers_the_device_that_generated_the_steps():
     assert prof.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.05)
     assert prof.seq_overhead_s == pytest.approx(TRUE.seq_overhead_s, rel=0.1)
     assert report["max_abs_rel_err"] < 0.01
-    assert 0 < report["compute_bound_points"] < report["points"]
+    assert report["overlap"] == prof.overlap == "max"
+    assert 0 < report["memory_bound_points"] < report["points"]
+
+
+def test_the_fit_tells_overlapping_from_alternating_compute_and_memory():
+    w1 = load_model("w1")
+    additive = replace(TRUE, overlap="sum")
+    prof, report = fit_device(synthetic_samples(additive, w1), w1, memory_bytes=8e9)
+    assert prof.overlap == "sum" and report["max_abs_rel_err"] < 0.01
+    assert prof.peak_flops == pytest.approx(TRUE.peak_flops, rel=0.02)
+    assert prof.mem_bandwidth == pytest.approx(TRUE.mem_bandwidth, rel=0.02)
+    assert report["rms_rel_err_by_form"]["max"] > 10 * report["rms_rel_err_by_form"]["sum"]
+    forced, _ = fit_device(synthetic_samples(additive, w1), w1, memory_bytes=8e9, overlap="max")
+    assert forced.overlap == "max"
 
 
 def test_the_fit_tolerates_noise_and_outliers():

@@ -25,7 +25,7 @@ def test_the_grid_measures_decode_and_mixed_steps_of_each_cell():
     engine = fake_engine()
     engine.executor = TimedExecutor(engine.executor)
     samples = measure_grid(engine, contexts=(32, 200), decode_batches=(2, 8), prefills=(16, 100),
-                           repeats=3)
+                           steps_per_sample=3)
     shapes = {(s.num_tokens, s.num_seqs) for s in samples}
     for d in (2, 8):
         assert (d, d) in shapes  # pure decode: one token per request
@@ -41,7 +41,7 @@ def test_cells_over_the_prefill_limit_are_skipped():
     engine = fake_engine()
     engine.executor = TimedExecutor(engine.executor)
     samples = measure_grid(engine, contexts=(200,), decode_batches=(2, 8), prefills=(16,),
-                           repeats=1, max_prefill_tokens=1000)
+                           steps_per_sample=1, max_prefill_tokens=1000)
     assert {s.num_seqs for s in samples} <= {2, 3}
 
 

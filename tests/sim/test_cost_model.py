@@ -88,7 +88,8 @@ def test_tensor_parallelism_splits_work_and_adds_all_reduce_time():
     assert c1.comm_s == 0 and c2.comm_s > 0
     # 2 all-reduces per layer, ring over 2 ranks moves the whole buffer once.
     dev = load_device("h100")
-    expected = 2 * 80 * (dev.link_latency_s + 512 * 8192 * 2 / (dev.link_bandwidth * dev.link_efficiency))
+    link = dev.link_bandwidth * dev.link_efficiency
+    expected = 2 * 80 * (dev.link_latency_s + 512 * 8192 * 2 / link)
     assert c2.comm_s == pytest.approx(expected, rel=1e-9)
 
 
@@ -108,3 +109,15 @@ def test_a_model_that_does_not_fit_says_which_tensor_parallel_size_would():
 def test_tensor_parallel_size_must_divide_the_heads():
     with pytest.raises(ValueError, match="num_heads"):
         CostModel(model("smollm2-135m"), load_device("h100"), 2)
+
+
+def test_an_additive_device_adds_compute_and_memory_time():
+    m = model("llama-3-8b")
+    mx = CostModel(m, ROUND_DEVICE).cost(64, 64, 64 * 500, 64 * 500, 64)
+    add = CostModel(m, replace(ROUND_DEVICE, overlap="sum"))
+    c = add.cost(64, 64, 64 * 500, 64 * 500, 64)
+    assert c.total_s == pytest.approx(c.overhead_s + c.compute_s + c.memory_s)
+    assert add.step_time(64, 64, 64 * 500, 64 * 500, 64) == pytest.approx(c.total_s)
+    assert c.total_s > mx.total_s
+    with pytest.raises(ValueError, match="overlap"):
+        replace(ROUND_DEVICE, overlap="both")

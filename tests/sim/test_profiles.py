@@ -71,3 +71,10 @@ def test_a_hugging_face_model_directory_is_a_model_profile(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(ValueError, match="lacks num_hidden_layers"):
         load_model(str(tmp_path))
+
+
+def test_the_shipped_cpu_profile_is_a_calibration_of_this_machine():
+    cpu = load_device("cpu")
+    assert cpu.calibration["model"] == "w1" and "calibrate" in cpu.source
+    assert cpu.overlap in ("max", "sum") and cpu.default_kv_cache_bytes > 0
+    assert cpu.compute_efficiency == cpu.bandwidth_efficiency == 1.0

@@ -30,7 +30,8 @@ def test_tpot_skips_single_token_requests():
 def test_slo_parsing_and_checking():
     slo = SLO.parse(["ttft:200", "tpot:50", "e2el:1000"])
     assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (200, 50, 1000)
-    ok = meets_slo(slo, np.array([0.1, 0.3, 0.1]), np.array([0.5, 0.5, 2.0]), np.array([10, 10, 10]))
+    ttft, e2e, out = np.array([0.1, 0.3, 0.1]), np.array([0.5, 0.5, 2.0]), np.array([10, 10, 10])
+    ok = meets_slo(slo, ttft, e2e, out)
     assert ok.tolist() == [True, False, False]
     for bad in ("ttft", "latency:5", "tpot:-1"):
         with pytest.raises(ValueError, match="ttft:MS"):

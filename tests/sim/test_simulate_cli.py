@@ -37,7 +37,8 @@ def test_compare_runs_every_variant_on_the_same_trace(tmp_path, capsys):
     data = json.loads(out.read_text())
     runs = data["variants"]
     assert data["compare"] == "preemption_mode" and set(runs) == {"recompute", "swap"}
-    assert runs["recompute"]["summary"]["total_input_tokens"] == runs["swap"]["summary"]["total_input_tokens"]
+    rec, swp = runs["recompute"]["summary"], runs["swap"]["summary"]
+    assert rec["total_input_tokens"] == swp["total_input_tokens"]
     assert runs["swap"]["summary"]["num_swap_outs"] > 0
     assert plot.stat().st_size > 10_000
 

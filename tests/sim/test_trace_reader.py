@@ -22,7 +22,8 @@ def test_a_valid_trace_is_read_sorted_with_defaults(tmp_path):
               {"arrival_time": 0.5, "prompt_token_ids": [5, 6, 7], "output_len": 1})
     t = read_trace(p)
     assert [r.arrival_time for r in t] == [0.5, 1.5]
-    assert (t[0].prompt_len, t[0].prompt_token_ids, t[0].tenant, t[0].priority) == (3, [5, 6, 7], "default", 0)
+    first = (t[0].prompt_len, t[0].prompt_token_ids, t[0].tenant, t[0].priority)
+    assert first == (3, [5, 6, 7], "default", 0)
     assert (t[1].priority, t[1].tenant, t[1].prefix_group) == (2, "a", "sys")
 
 

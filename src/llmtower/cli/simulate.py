@@ -64,7 +64,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                          "x utilization - weights); --num-gpu-blocks overrides it")
     wl = p.add_argument_group("workload")
     wl.add_argument("--trace", default=None, help="JSONL trace file (see docs/simulator.md)")
-    wl.add_argument("--rate", type=float, default=math.inf, help="arrivals per second (inf: all at 0)")
+    wl.add_argument("--rate", type=float, default=math.inf,
+                    help="arrivals per second (inf: all at 0)")
     wl.add_argument("--num-requests", type=int, default=1000)
     wl.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of inter-arrival times (1: Poisson, < 1: burstier)")

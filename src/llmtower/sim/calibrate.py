@@ -12,8 +12,10 @@ same BatchTracker the SimExecutor uses.
 The fit (``fit_device``): step = o + s * seqs + max(F / flops, B / bandwidth), with F and B the
 FLOPs and bytes the cost model counts for the model. For a fixed ratio k = flops / bandwidth
 the model is linear in (o, s, 1/flops); k is searched on a log grid, each candidate solved by
-least squares on relative errors, and points more than 4 median deviations off are dropped
-once before the final fit.
+least squares on relative errors. The additive form o + s * seqs + F / flops + B / bandwidth
+(compute and memory traffic taking turns, as they mostly do in a CPU engine) is one linear
+solve; the form that fits better is kept. Points more than 4 median deviations off are
+dropped once before the final fit.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from llmtower.sim.profiles import (DeviceProfile, ModelProfile, available, load_
                                    save_profile, user_profile_dir)
 
 DEFAULT_CONTEXTS = (32, 256, 1024)
-DEFAULT_DECODE_BATCHES = (1, 4, 16, 48)
+DEFAULT_DECODE_BATCHES = (1, 4, 16, 64)
 DEFAULT_PREFILLS = (16, 128, 512)
 
 
@@ -84,84 +86,123 @@ def _flops_bytes(model: ModelProfile, s: list[StepSample]) -> tuple[np.ndarray, 
     return flops, nbytes
 
 
-def _solve(flops, nbytes, seqs, t, k, use_seq):
-    """Least squares on relative error for t = o + s*seqs + a*max(F, k*B); returns
-    (params (o, s, a), relative residuals)."""
-    work = np.maximum(flops, k * nbytes)
-    cols = [np.ones_like(t), work] + ([seqs] if use_seq else [])
-    X = np.stack(cols, axis=1) / t[:, None]
-    coef, *_ = np.linalg.lstsq(X, np.ones_like(t), rcond=None)
-    o, a = coef[0], coef[1]
-    s = coef[2] if use_seq else 0.0
-    if o < 0 or s < 0 or a <= 0:  # clamp a negative term to zero and solve for the rest
-        keep = [i for i, c in enumerate(coef) if not (c < 0 and i != 1)]
-        coef2, *_ = np.linalg.lstsq(X[:, keep], np.ones_like(t), rcond=None)
-        full = np.zeros(len(coef))
-        full[keep] = coef2
-        o, a = full[0], max(full[1], 1e-30)
-        s = full[2] if use_seq else 0.0
-    pred = o + s * seqs + a * work
-    return (max(o, 0.0), max(s, 0.0), a), (pred - t) / t
+@dataclass
+class _Fit:
+    """One fitted form: t = o + s*seqs + combine(a*F, b*B), combine = max or sum."""
+
+    overlap: str
+    o: float
+    s: float
+    a: float  # seconds per FLOP
+    b: float  # seconds per byte
+
+    def predict(self, flops, nbytes, seqs) -> np.ndarray:
+        c, m = self.a * flops, self.b * nbytes
+        return self.o + self.s * seqs + (np.maximum(c, m) if self.overlap == "max" else c + m)
+
+    def error(self, flops, nbytes, seqs, t) -> float:
+        return float(np.mean(((self.predict(flops, nbytes, seqs) - t) / t) ** 2))
 
 
-def _search_k(flops, nbytes, seqs, t, use_seq):
-    """Best (error, k, params) over k = flops/bandwidth: a log grid, then two finer grids
-    around the best point."""
+def _nonneg_lstsq(X: np.ndarray, y: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray:
+    """Least squares with every coefficient >= 0 except those in ``free``: drop the most
+    negative one and solve again (few columns, so this small active-set loop suffices)."""
+    active = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        coef[active], *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        bad = [i for i in active if coef[i] < 0 and i not in free]
+        if not bad:
+            return coef
+        active.remove(min(bad, key=lambda i: coef[i]))
+
+
+def _fit_max(flops, nbytes, seqs, t, use_seq) -> _Fit:
+    """t = o + s*seqs + a*max(F, k*B): linear for a fixed k = (s/byte) / (s/FLOP); k is
+    searched on a log grid, then twice on finer grids around the best point."""
     ratio = flops / nbytes
     lo, hi = max(ratio.min() / 10, 1e-6), ratio.max() * 10
-    best = None
+    best: tuple[float, _Fit] | None = None
     for _ in range(3):
-        ks = np.geomspace(lo, hi, 200)
-        for k in ks:
-            params, rel = _solve(flops, nbytes, seqs, t, k, use_seq)
-            err = float(np.mean(rel ** 2))
+        for k in np.geomspace(lo, hi, 200):
+            work = np.maximum(flops, k * nbytes)
+            cols = [np.ones_like(t), work] + ([seqs] if use_seq else [])
+            coef = _nonneg_lstsq(np.stack(cols, axis=1) / t[:, None], np.ones_like(t))
+            a = max(coef[1], 1e-30)
+            fit = _Fit("max", coef[0], coef[2] if use_seq else 0.0, a, a * k)
+            err = fit.error(flops, nbytes, seqs, t)
             if best is None or err < best[0]:
-                best = (err, k, params)
+                best = (err, fit)
         step = (hi / lo) ** (1 / 199)
-        lo, hi = best[1] / step, best[1] * step
-    return best
+        k_best = best[1].b / best[1].a
+        lo, hi = k_best / step, k_best * step
+    return best[1]
+
+
+def _fit_sum(flops, nbytes, seqs, t, use_seq) -> _Fit:
+    """t = o + s*seqs + a*F + b*B: one non-negative least-squares solve."""
+    cols = [np.ones_like(t), flops, nbytes] + ([seqs] if use_seq else [])
+    coef = _nonneg_lstsq(np.stack(cols, axis=1) / t[:, None], np.ones_like(t))
+    return _Fit("sum", coef[0], coef[3] if use_seq else 0.0, max(coef[1], 1e-30),
+                max(coef[2], 1e-30))
 
 
 def fit_device(samples: list[StepSample], model: ModelProfile, name: str = "cpu",
                fit_seq_overhead: bool = True, memory_bytes: float | None = None,
-               description: str = "", source: str = "") -> tuple[DeviceProfile, dict]:
-    """Fit effective FLOP/s, bandwidth, per-step and per-request overhead to measured steps."""
+               description: str = "", source: str = "",
+               overlap: str | None = None) -> tuple[DeviceProfile, dict]:
+    """Fit effective FLOP/s, bandwidth, per-step and per-request overhead to measured steps,
+    for compute and memory traffic that overlap (``max``), take turns (``sum``) or, with
+    ``overlap=None``, whichever of the two fits better."""
     if len(samples) < 4:
         raise ValueError(f"need at least 4 measured steps to fit a profile, got {len(samples)}")
+    forms = {"max": _fit_max, "sum": _fit_sum}
+    if overlap is not None and overlap not in forms:
+        raise ValueError(f"overlap={overlap!r} must be 'max', 'sum' or None (fit both, keep "
+                         "the better)")
     flops, nbytes = _flops_bytes(model, samples)
     t = np.array([x.seconds for x in samples], dtype=np.float64)
     seqs = np.array([x.num_seqs for x in samples], dtype=np.float64)
     mask = np.ones(len(t), dtype=bool)
-    best = None
+    errors: dict[str, float] = {}
+    best: _Fit | None = None
     for attempt in range(2):
-        best = _search_k(flops[mask], nbytes[mask], seqs[mask], t[mask], fit_seq_overhead)
+        fits = [forms[f](flops[mask], nbytes[mask], seqs[mask], t[mask], fit_seq_overhead)
+                for f in ([overlap] if overlap else forms)]
+        errors = {f.overlap: f.error(flops[mask], nbytes[mask], seqs[mask], t[mask]) for f in fits}
+        best = min(fits, key=lambda f: errors[f.overlap])
         if attempt == 0:  # drop gross outliers (another process stole the CPU), refit once
-            _, rel_all = _solve(flops, nbytes, seqs, t, best[1], fit_seq_overhead)
+            rel_all = (best.predict(flops, nbytes, seqs) - t) / t
             dev = np.abs(rel_all - np.median(rel_all))
             mad = max(float(np.median(dev)), 0.005)  # never below 0.5%: timer noise
             mask = dev <= 4 * 1.4826 * mad
             if mask.sum() < 4:
                 mask[:] = True
-    _, k, (o, s, a) = best
-    flops_s, bw = 1.0 / a, 1.0 / (a * k)
-    pred = o + s * seqs + np.maximum(flops / flops_s, nbytes / bw)
+    flops_s, bw = 1.0 / best.a, 1.0 / best.b
+    pred = best.predict(flops, nbytes, seqs)
     rel = (pred - t) / t
+    memory_bound = int((nbytes / bw > flops / flops_s)[mask].sum())
     report = {
-        "model": model.name, "points": int(len(t)), "points_used": int(mask.sum()),
+        "model": model.name, "overlap": best.overlap, "points": int(len(t)),
+        "points_used": int(mask.sum()),
         "mean_abs_rel_err": float(np.mean(np.abs(rel[mask]))),
         "max_abs_rel_err": float(np.max(np.abs(rel[mask]))),
         "rmse_ms": float(np.sqrt(np.mean((pred[mask] - t[mask]) ** 2)) * 1000),
+        "rms_rel_err_by_form": {f: float(np.sqrt(e)) for f, e in errors.items()},
         "step_ms_range": [float(t.min() * 1000), float(t.max() * 1000)],
-        "compute_bound_points": int((flops / flops_s >= nbytes / bw)[mask].sum()),
+        "memory_bound_points": memory_bound,
     }
+    notes = ("effective numbers (efficiency 1.0) fitted to whole engine steps of the model in "
+             "'calibration', at its dtype; swapping is a memcpy at the fitted bandwidth")
+    if best.overlap == "max" and memory_bound == 0:
+        notes += ("; memory traffic never dominated a measured step, so mem_bandwidth is not "
+                  "identified (weight streaming is inside step_overhead_s)")
     profile = DeviceProfile(
         name=name, peak_flops=float(flops_s), mem_bandwidth=float(bw),
         memory_bytes=float(memory_bytes or _total_memory()), compute_efficiency=1.0,
-        bandwidth_efficiency=1.0, step_overhead_s=float(o), seq_overhead_s=float(s),
-        host_bandwidth=float(bw), description=description, source=source,
-        notes="effective numbers (efficiency 1.0): fitted to whole engine steps of the model in "
-              "'calibration', at its dtype; swapping is a memcpy at the fitted bandwidth",
-        calibration=report)
+        bandwidth_efficiency=1.0, step_overhead_s=float(best.o), seq_overhead_s=float(best.s),
+        overlap=best.overlap, host_bandwidth=float(bw), description=description, source=source,
+        notes=notes, calibration=report)
     return profile, report
 
 
@@ -214,11 +255,11 @@ def _median_step(engine, repeats: int, before=None) -> StepSample | None:
 
 
 def measure_grid(engine, contexts=DEFAULT_CONTEXTS, decode_batches=DEFAULT_DECODE_BATCHES,
-                 prefills=DEFAULT_PREFILLS, repeats: int = 5, vocab_size: int = 256,
+                 prefills=DEFAULT_PREFILLS, steps_per_sample: int = 5, vocab_size: int = 256,
                  seed: int = 0, max_prefill_tokens: int = 8192, log=None) -> list[StepSample]:
     """Drive ``engine`` (an EngineCore whose executor is wrapped in a TimedExecutor) through
     the grid; returns one sample per prefill step and one per (cell, decode) and (cell,
-    prefill size), each the median of ``repeats`` steps. Cells whose prefill exceeds
+    prefill size), each the median of ``steps_per_sample`` steps. Cells whose prefill exceeds
     ``max_prefill_tokens`` (D x C) are skipped."""
     from llmtower.core.outputs import EngineCoreRequest
     from llmtower.core.sampling_params import SamplingParams
@@ -246,7 +287,7 @@ def measure_grid(engine, contexts=DEFAULT_CONTEXTS, decode_batches=DEFAULT_DECOD
         _timed_step(engine)
     for c in contexts:
         for d in decode_batches:
-            extra = repeats * (1 + len(prefills)) + 2
+            extra = steps_per_sample * (1 + len(prefills)) + 2
             if (c + extra > max_len or d > sched.config.max_num_seqs or d * c > max_prefill_tokens
                     or d * (c + extra) + max(prefills, default=0) > capacity):
                 continue  # does not fit, or its prefill alone would take minutes on a CPU
@@ -257,10 +298,10 @@ def measure_grid(engine, contexts=DEFAULT_CONTEXTS, decode_batches=DEFAULT_DECOD
                 started.update(o.request_id for o in outs)
                 if sample is not None:
                     samples.append(sample)
-            cell = [_median_step(engine, repeats)]
+            cell = [_median_step(engine, steps_per_sample)]
             for p in prefills:
                 if p + 1 <= max_len:
-                    cell.append(_median_step(engine, repeats, lambda p=p: add(p, 1)))
+                    cell.append(_median_step(engine, steps_per_sample, lambda p=p: add(p, 1)))
             samples += [x for x in cell if x is not None]
             engine.abort_requests(ids)
             if log:
@@ -280,7 +321,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
     p.add_argument("--decode-batches", default=",".join(map(str, DEFAULT_DECODE_BATCHES)))
     p.add_argument("--prefills", default=",".join(map(str, DEFAULT_PREFILLS)))
-    p.add_argument("--repeats", type=int, default=2, help="times the whole grid is measured")
+    p.add_argument("--repeats", type=int, default=1, help="times the whole grid is measured")
+    p.add_argument("--steps-per-sample", type=int, default=5,
+                   help="like steps timed for each decode / mixed sample (the median is kept)")
     p.add_argument("--save-samples", default=None,
                    help="also write every measured step (shape and seconds) as JSON")
     p.add_argument("--no-seq-overhead", action="store_true",
@@ -325,7 +368,8 @@ def model_profile_for(args, engine_args) -> ModelProfile:
 
 def calibrate_engine(engine, model: ModelProfile, *, contexts=DEFAULT_CONTEXTS,
                      decode_batches=DEFAULT_DECODE_BATCHES, prefills=DEFAULT_PREFILLS,
-                     repeats: int = 2, name: str = "cpu", fit_seq_overhead: bool = True,
+                     repeats: int = 1, steps_per_sample: int = 5, name: str = "cpu",
+                     fit_seq_overhead: bool = True,
                      threads: int = 0, log=None):
     """Measure the grid ``repeats`` times on a ready EngineCore (left as it was found) and
     fit; returns (profile, report, samples)."""
@@ -335,6 +379,7 @@ def calibrate_engine(engine, model: ModelProfile, *, contexts=DEFAULT_CONTEXTS,
         samples: list[StepSample] = []
         for r in range(repeats):
             samples += measure_grid(engine, contexts, decode_batches, prefills,
+                                    steps_per_sample=steps_per_sample,
                                     vocab_size=min(model.vocab_size, 256), seed=r, log=log)
     finally:
         engine.executor = inner
@@ -343,9 +388,13 @@ def calibrate_engine(engine, model: ModelProfile, *, contexts=DEFAULT_CONTEXTS,
               f"{model.name} ({model.dtype}) on {datetime.date.today().isoformat()}")
     profile, report = fit_device(samples, model, name, fit_seq_overhead,
                                  description=f"this CPU: {where}", source=source)
+    cache = engine.scheduler.cache_config  # the engine's KV budget is the simulator's default
+    kv_bytes = cache.num_blocks * cache.block_size * model.kv_bytes_per_token
     report["grid"] = {"contexts": list(contexts), "decode_batches": list(decode_batches),
-                      "prefills": list(prefills), "repeats": repeats}
-    return replace(profile, calibration=report), report, samples
+                      "prefills": list(prefills), "repeats": repeats,
+                      "steps_per_sample": steps_per_sample}
+    profile = replace(profile, calibration=report, default_kv_cache_bytes=float(kv_bytes))
+    return profile, report, samples
 
 
 def calibrate(engine_args, model: ModelProfile, **kw):
@@ -374,7 +423,8 @@ def run_cli(args: argparse.Namespace) -> int:
     profile, report, samples = calibrate(
         engine_args, model, contexts=_ints(args.contexts, "contexts"),
         decode_batches=_ints(args.decode_batches, "decode-batches"),
-        prefills=_ints(args.prefills, "prefills"), repeats=args.repeats, name=args.name,
+        prefills=_ints(args.prefills, "prefills"), repeats=args.repeats,
+        steps_per_sample=args.steps_per_sample, name=args.name,
         fit_seq_overhead=not args.no_seq_overhead, log=lambda m: print(m, file=sys.stderr))
     out = save_profile(profile, args.output or user_profile_dir() / f"{args.name}.json")
     if args.save_samples:
@@ -383,6 +433,8 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"effective bandwidth  {profile.mem_bandwidth / 1e9:10.2f} GB/s")
     print(f"per-step overhead    {profile.step_overhead_s * 1e3:10.3f} ms")
     print(f"per-request overhead {profile.seq_overhead_s * 1e6:10.1f} us")
+    combine = "overlap (max)" if profile.overlap == "max" else "take turns (sum)"
+    print(f"compute and memory   {combine:>16}")
     print(f"fit over {report['points_used']}/{report['points']} steps: mean |error| "
           f"{100 * report['mean_abs_rel_err']:.1f}%, max {100 * report['max_abs_rel_err']:.1f}%")
     print(f"wrote {out}")

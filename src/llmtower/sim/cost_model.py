@@ -9,6 +9,9 @@ For one forward pass over a batch (all numbers per tensor-parallel rank):
     step    = overhead + seqs * per-seq overhead + max(compute, memory)
               + all-reduce time (tensor parallelism) + swap time (preemption by swap)
 
+(a device profile with ``overlap: sum`` adds compute and memory instead of taking the max: a
+CPU engine mostly alternates between compute-bound GEMMs and memory-bound gathers).
+
 "Attention pairs" is the number of (query token, key token) pairs: a decode token at context c
 contributes c, a prefill chunk of n tokens after c computed ones contributes n*c + n(n+1)/2.
 Compute and memory traffic overlap (the max), communication and swaps do not (the sum).
@@ -29,10 +32,13 @@ class StepCost:
     comm_s: float
     swap_s: float
     overhead_s: float
+    overlap: bool = True  # compute and memory traffic overlap (max) or not (sum)
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + max(self.compute_s, self.memory_s) + self.comm_s + self.swap_s
+        body = (max(self.compute_s, self.memory_s) if self.overlap
+                else self.compute_s + self.memory_s)
+        return self.overhead_s + body + self.comm_s + self.swap_s
 
     @property
     def bound(self) -> str:
@@ -70,6 +76,7 @@ class CostModel:
         self.s_per_attn_pair = model.attn_flops_per_context_token / tp / flops
         self.s_weights = model.weight_bytes_read_per_step / tp / bw
         self.s_per_kv_token = self.kv_bytes_per_token_per_rank / bw
+        self.overlap = device.overlap == "max"
         self.s_overhead = device.step_overhead_s
         self.s_per_seq = device.seq_overhead_s
         if tp > 1:
@@ -94,7 +101,11 @@ class CostModel:
         compute = (num_tokens * self.s_per_token + num_sampled * self.s_per_sample
                    + attn_pairs * self.s_per_attn_pair)
         memory = self.s_weights + (kv_tokens + num_tokens) * self.s_per_kv_token
-        t = self.s_overhead + num_seqs * self.s_per_seq + (compute if compute > memory else memory)
+        if self.overlap:
+            body = compute if compute > memory else memory
+        else:
+            body = compute + memory
+        t = self.s_overhead + num_seqs * self.s_per_seq + body
         if self.tp > 1 and num_tokens:
             t += self.s_comm_fixed + num_tokens * self.s_comm_per_token
         if num_swapped_blocks:
@@ -112,16 +123,20 @@ class CostModel:
             memory_s=self.s_weights + (kv_tokens + num_tokens) * self.s_per_kv_token,
             comm_s=comm,
             swap_s=num_swapped_blocks * self.s_per_swapped_block,
-            overhead_s=self.s_overhead + num_seqs * self.s_per_seq)
+            overhead_s=self.s_overhead + num_seqs * self.s_per_seq, overlap=self.overlap)
 
     # ------------------------------------------------------------------ memory
     def num_kv_blocks(self, gpu_memory_utilization: float = 0.9,
                       kv_cache_memory_per_rank: float | None = None) -> int:
         """KV blocks one replica holds: the memory left on each rank after its share of the
-        weights (or an explicit per-rank KV budget), divided by a block's bytes per rank."""
+        weights (or an explicit per-rank KV budget, or the device's default one), divided by a
+        block's bytes per rank."""
+        if kv_cache_memory_per_rank is None and self.device.default_kv_cache_bytes:
+            kv_cache_memory_per_rank = self.device.default_kv_cache_bytes
         if kv_cache_memory_per_rank is None:
             if not 0.0 < gpu_memory_utilization <= 1.0:
-                raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+                raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be "
+                                 "in (0, 1]")
             usable = self.device.memory_bytes * gpu_memory_utilization
             weights = self.model.weight_bytes / self.tp
             kv_cache_memory_per_rank = usable - weights
@@ -130,11 +145,13 @@ class CostModel:
                 while usable * need <= self.model.weight_bytes * 1.2:
                     need *= 2
                 raise ValueError(
-                    f"{self.model.name} needs {self.model.weight_bytes / 1e9:.1f} GB for its weights "
+                    f"{self.model.name} needs {self.model.weight_bytes / 1e9:.1f} GB for its "
+                    "weights "
                     f"but {self.tp} x {self.device.name} offer {usable * self.tp / 1e9:.1f} GB at "
                     f"gpu_memory_utilization={gpu_memory_utilization}; use "
                     f"--tensor-parallel-size {need} or a larger device")
-        blocks = int(kv_cache_memory_per_rank // (self.block_size * self.kv_bytes_per_token_per_rank))
+        block_bytes = self.block_size * self.kv_bytes_per_token_per_rank
+        blocks = int(kv_cache_memory_per_rank // block_bytes)
         if blocks < 1:
             raise ValueError(f"no room for a single KV block on {self.device.name}: give the KV "
                              "cache more memory or use more tensor-parallel ranks")

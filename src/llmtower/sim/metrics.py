@@ -18,6 +18,9 @@ import numpy as np
 from llmtower.core.outputs import EngineCoreOutput
 
 
+_SLO_FIELDS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
+
+
 @dataclass
 class SLO:
     """Owns latency objectives (ms); None means no objective on that metric."""
@@ -32,7 +35,7 @@ class SLO:
         slo = cls()
         for item in items or []:
             key, _, value = item.partition(":")
-            name = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}.get(key.strip().lower())
+            name = _SLO_FIELDS.get(key.strip().lower())
             try:
                 ms = float(value)
             except ValueError:

@@ -57,9 +57,9 @@ def plot_results(results: list[tuple[str, SimResult]], path: str | os.PathLike,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     first = results[0][1].config
+    tp = first["tensor_parallel_size"]
     fig.suptitle(f"{first['model']} on {first['num_replicas']} x {first['device']}"
-                 f"{' (TP ' + str(first['tensor_parallel_size']) + ')' if first['tensor_parallel_size'] > 1 else ''}"
-                 f", {first['num_requests']} requests")
+                 f"{f' (TP {tp})' if tp > 1 else ''}, {first['num_requests']} requests")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

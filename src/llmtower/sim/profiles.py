@@ -27,9 +27,12 @@ class DeviceProfile:
     ``peak_flops`` and ``mem_bandwidth`` are spec-sheet numbers; the cost model multiplies them
     by ``compute_efficiency`` and ``bandwidth_efficiency``. ``step_overhead_s`` is the fixed cost
     of one engine step (scheduling, input preparation, sampling, kernel launches);
-    ``seq_overhead_s`` a cost per scheduled request (0 on GPUs, fitted on CPU). ``link_*`` is the
+    ``seq_overhead_s`` a cost per scheduled request (0 on GPUs, fitted on CPU). ``overlap`` says
+    how compute and memory traffic combine: ``max`` (the roofline: they overlap, as on GPUs) or
+    ``sum`` (they take turns; calibration picks it when it fits a CPU better). ``link_*`` is the
     tensor-parallel interconnect (per direction), ``host_bandwidth`` the device<->CPU link that
-    swapping uses.
+    swapping uses. ``default_kv_cache_bytes`` (per rank) replaces the memory-minus-weights rule
+    where an engine sizes its KV cache otherwise (the CPU engine's ``--kv-cache-memory``).
     """
 
     name: str
@@ -40,10 +43,12 @@ class DeviceProfile:
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.002
     seq_overhead_s: float = 0.0
+    overlap: str = "max"
     link_bandwidth: float = 0.0
     link_efficiency: float = 0.8
     link_latency_s: float = 0.0
     host_bandwidth: float = 32e9
+    default_kv_cache_bytes: float = 0.0  # per rank; 0: memory x utilization - weights
     description: str = ""
     source: str = ""
     notes: str = ""
@@ -56,7 +61,11 @@ class DeviceProfile:
             v = getattr(self, f)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"device profile {self.name!r}: {f}={v!r} must be in (0, 1]")
-        for f in ("step_overhead_s", "seq_overhead_s", "link_bandwidth", "link_latency_s"):
+        if self.overlap not in ("max", "sum"):
+            raise ValueError(f"device profile {self.name!r}: overlap={self.overlap!r} must be "
+                             "'max' (compute and memory traffic overlap) or 'sum' (they do not)")
+        for f in ("step_overhead_s", "seq_overhead_s", "link_bandwidth", "link_latency_s",
+                  "default_kv_cache_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"device profile {self.name!r}: {f} must be >= 0")
 
@@ -144,7 +153,8 @@ class ModelProfile:
     def weight_bytes_read_per_step(self) -> int:
         """Weights streamed from memory by one forward pass: every linear layer and the LM
         head; the embedding table is only gathered (a few rows), so it does not count."""
-        return (self.num_layers * self.linear_params_per_layer + self.lm_head_params) * self.dtype_bytes
+        params = self.num_layers * self.linear_params_per_layer + self.lm_head_params
+        return params * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

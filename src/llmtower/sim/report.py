@@ -112,7 +112,8 @@ def build_result(stats: RunStats) -> SimResult:
         "device": stats.device.name, "model": stats.model.name,
         "tensor_parallel_size": stats.config.tensor_parallel_size,
         "num_replicas": stats.config.num_replicas, "load_balancer": stats.config.load_balancer,
-        "num_blocks_per_replica": stats.num_blocks, "num_cpu_blocks_per_replica": stats.num_cpu_blocks,
+        "num_blocks_per_replica": stats.num_blocks,
+        "num_cpu_blocks_per_replica": stats.num_cpu_blocks,
         "max_model_len": stats.max_model_len, "num_requests": len(trace),
         "engine": {k: v for k, v in asdict(stats.config.engine).items()
                    if k not in ("model", "tokenizer", "served_model_name")},
@@ -205,8 +206,8 @@ def format_compare_table(field_name: str, results: list[tuple[str, SimResult]]) 
     the p99 TTFT of each priority class when the trace has several."""
     prios = sorted({p for _, r in results for p in r.by_priority}, key=int)
     width = max(14, len(field_name) + 2, *(len(v) + 2 for v, _ in results))
-    cols = [(field_name, width), ("req/s", 9), ("out tok/s", 10), ("TTFT mean", 10), ("TTFT p99", 10),
-            ("TPOT mean", 10), ("TPOT p99", 9), ("E2E p99", 10)]
+    cols = [(field_name, width), ("req/s", 9), ("out tok/s", 10), ("TTFT mean", 10),
+            ("TTFT p99", 10), ("TPOT mean", 10), ("TPOT p99", 9), ("E2E p99", 10)]
     if any("goodput_req_s" in r.summary for _, r in results):
         cols.append(("goodput", 9))
     cols += [("preempt", 8), ("swaps", 7), ("hit %", 7), ("peak KV%", 9)]
