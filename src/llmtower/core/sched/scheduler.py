@@ -165,10 +165,22 @@ class Scheduler:
         now = self.clock()
 
         # --- 1. running requests: decodes and ongoing chunked prefills -------------------
+        req_to_blocks = self.kv.req_to_blocks
+        bs = self.cache_config.block_size
+        scheduled = step.scheduled
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, req.num_computed_tokens, step)
+            computed = req.num_computed_tokens
+            num_tokens = len(req.all_token_ids)
+            if (num_tokens - computed == 1 and num_tokens > req.num_prompt_tokens
+                    and computed < len(req_to_blocks[req.request_id]) * bs):
+                # The common case: a decode whose last block still has a free slot.
+                scheduled[req.request_id] = 1
+                step.budget -= 1
+                i += 1
+                continue
+            n = self._num_new_tokens(req, computed, step)
             if n == 0:
                 i += 1
                 continue
@@ -380,13 +392,17 @@ class Scheduler:
         stopped: list[Request] = []
         reqs = self.requests
         logprobs = model_runner_output.logprobs
+        caching = self.kv.enable_prefix_caching
+        num_cached_blocks = self.kv.num_cached_blocks
+        bs = self.cache_config.block_size
         for i, rid in enumerate(model_runner_output.req_ids):
             req = reqs.get(rid)
             if req is None:
                 continue  # finished or aborted after it was scheduled: a late output
             running = req.status == RequestStatus.RUNNING
-            if running:
-                self.kv.cache_blocks(req, req.num_computed_tokens)
+            if (running and caching
+                    and req.num_computed_tokens // bs > num_cached_blocks.get(rid, 0)):
+                self.kv.cache_blocks(req, req.num_computed_tokens)  # a block just filled
             sampled = model_runner_output.sampled_token_ids[i]
             if not sampled:
                 continue  # a prefill chunk that has not reached the end of the prompt
