@@ -135,3 +135,44 @@ def test_logprobs_of_the_raw_distribution():
 def test_logprobs_zero_gives_only_the_sampled_token():
     tokens, lps = sample(SamplingParams(temperature=0.0, logprobs=0))
     assert lps[0].top == [] and lps[0].rank == 1 and lps[0].token_id == 7
+
+
+# ---------------------------------------------------------------- through the engine
+def _run(core, reqs):
+    """Run requests to the end; (outputs per request, finish reason per request)."""
+    outs, finish = {}, {}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+            if o.finish_reason:
+                finish[o.request_id] = o.finish_reason
+    return outs, finish
+
+
+def test_engine_returns_logprobs_and_honours_min_tokens(tiny_llama_dir):
+    from exactness_helpers import make_engine
+
+    from llmtower.core.outputs import EngineCoreRequest
+
+    prompt = [5, 77, 300, 12, 9, 450, 33]
+    core = make_engine(tiny_llama_dir)
+    outs, _ = _run(core, [EngineCoreRequest("lp", prompt, SamplingParams(
+        temperature=0.0, logprobs=3, max_tokens=4, ignore_eos=True))])
+    tokens = [t for o in outs["lp"] for t in o.new_token_ids]
+    entries = [e for o in outs["lp"] for e in o.new_logprobs]
+    assert [e[0] for e in entries] == tokens and len(tokens) == 4
+    for token, logprob, rank, top in entries:
+        assert rank == 1 and len(top) == 3 and top[0] == (token, logprob)
+        assert top[0][1] >= top[1][1] >= top[2][1] and logprob < 0
+
+    # Make the greedy first token the EOS: without min_tokens the request stops at once.
+    eos = tokens[0]
+    outs, finish = _run(core, [
+        EngineCoreRequest("stop", prompt, SamplingParams(temperature=0.0, max_tokens=6), eos_token_id=eos),
+        EngineCoreRequest("min", prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3),
+                          eos_token_id=eos)])
+    assert [t for o in outs["stop"] for t in o.new_token_ids] == [eos] and finish["stop"] == "stop"
+    got = [t for o in outs["min"] for t in o.new_token_ids]
+    assert len(got) >= 3 and eos not in got[:3]

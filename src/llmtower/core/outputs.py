@@ -25,6 +25,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's EOS, which the sampler masks until min_tokens outputs exist.
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -71,7 +71,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = new.num_computed_tokens
         self._set_blocks(row, new.block_ids, replace=True)
-        self._set_sampling(row, new.sampling_params, getattr(new, "eos_token_id", None))
+        self._set_sampling(row, new.sampling_params, new.eos_token_id)
         return row
 
     def update_request(self, c: CachedRequestData) -> int:

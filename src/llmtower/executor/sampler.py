@@ -19,6 +19,9 @@ import torch
 from llmtower.core.outputs import LogprobsEntry
 from llmtower.executor.input_batch import InputBatch
 
+# Temperatures below this are greedy: dividing by them would only overflow the logits.
+_GREEDY_TEMPERATURE = 1e-5
+
 
 class Sampler:
     """Owns the shared random generator; samples the rows of one step from their logits,
@@ -32,7 +35,7 @@ class Sampler:
                  ) -> tuple[np.ndarray, list[LogprobsEntry | None] | None]:
         """logits [S, vocab] float32 for batch ``rows`` -> (token ids [S], logprobs per row
         or None when no row asked for them)."""
-        greedy = batch.temperature[rows] == 0.0
+        greedy = batch.temperature[rows] < _GREEDY_TEMPERATURE
         if greedy.all() and not batch.needs_processing[rows].any():
             return logits.argmax(dim=-1).numpy(), None  # the common fast path
         logprobs = self._logprobs_of_raw(logits, rows, batch)

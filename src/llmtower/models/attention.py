@@ -10,9 +10,10 @@ request of the same step fills. Then three kinds of work, planned once per step 
 ``AttentionMetadata`` and reused by every layer:
 
 - decode groups: requests with one query token (decodes, and 1-token chunks), which the runner
-  puts first in the flat batch, sorted by context length, and cuts into groups. Their blocks are gathered (whole blocks, ``index_select`` into a
-  reused buffer small enough to stay in cache) and one ``scaled_dot_product_attention`` call
-  with a length mask serves the group. Under GQA the query heads sharing a KV head are laid out
+  puts first in the flat batch, sorted by context length, and cuts into groups. A group's
+  blocks are gathered (whole blocks, ``index_select`` into a reused buffer small enough to
+  stay in the CPU cache) and one ``scaled_dot_product_attention`` call with a length mask
+  serves the group. Under GQA the query heads sharing a KV head are laid out
   as that head's "query rows", so keys are never repeated.
 - fresh prefills: chunks starting at position 0 attend only to themselves: causal SDPA on the
   new K/V, no gather.
@@ -36,7 +37,8 @@ class DecodeGroup:
     stop: int
     block_ids: torch.Tensor  # [c * num_blocks] block tables, padded per request to num_blocks
     num_blocks: int
-    mask: torch.Tensor  # [c, 1, 1, num_blocks * block_size] True where the key exists
+    # [c, 1, 1, num_blocks * block_size], additive: 0 where the key exists, -inf past the end
+    mask: torch.Tensor
 
 
 @dataclass
@@ -72,6 +74,7 @@ class PagedAttention:
         self.head_dim = head_dim
         self.block_size = block_size
         self.group = num_heads // num_kv_heads
+        self.dtype = dtype
         self.scale = head_dim ** -0.5
         shape = (gather_buffer_blocks, block_size, num_kv_heads, head_dim)
         # Reused across layers and steps: fresh large allocations would page-fault every time.
@@ -88,6 +91,8 @@ class PagedAttention:
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
+        if meta.decode_groups:
+            q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:
             out[g.start:g.stop] = self._decode(q[g.start:g.stop], kv_cache, g)
         for p in meta.prefills:

@@ -354,7 +354,8 @@ class Scheduler:
             if rid not in self._executor_has:
                 self._executor_has.add(rid)
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
-                                               self.kv.get_block_ids(rid), req.num_computed_tokens))
+                                               self.kv.get_block_ids(rid), req.num_computed_tokens,
+                                               req.eos_token_id))
             elif rid in step.resumed:
                 cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
                                                      req.num_computed_tokens, True,
