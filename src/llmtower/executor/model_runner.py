@@ -27,7 +27,8 @@ from llmtower.models.llama import LlamaForCausalLM
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
 # L3 cache between the gather and the attention that reads it, large enough to keep the number
 # of calls per layer low (measured on W1 with 2 threads: 6 MiB beats 1.5 MiB and 24 MiB).
-DECODE_GROUP_BYTES = 6 * 2**20
+import os
+DECODE_GROUP_BYTES = int(os.environ.get("LT_DGB", 6 * 2**20))
 
 
 @dataclass
