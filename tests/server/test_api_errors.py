@@ -2,6 +2,8 @@
 after garbage."""
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import openai
 import pytest
@@ -121,51 +123,50 @@ def test_api_key_is_required_except_on_probes(limited_server):
     assert ok.choices
 
 
+def _post_limited(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/completions", json=body,
+                      headers={"Authorization": "Bearer sesame"}, timeout=30)
+
+
+@contextlib.contextmanager
+def _blocked_queue(server):
+    """--max-num-seqs 1: four samples of 480 tokens run one after another for thousands of
+    steps; one runs, three wait in the queue holding some of --max-num-queued-tokens=64."""
+    client = _limited_client(server)
+    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=4,
+                                        stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(blocker))  # the blocker is running
+        yield client
+    finally:
+        blocker.close()
+
+
 def test_body_over_the_limit_is_413(limited_server):
-    body = {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 2}
-    r = httpx.post(f"{limited_server.base_url}/v1/completions", json=body,
-                   headers={"Authorization": "Bearer sesame"}, timeout=30)
+    r = _post_limited(limited_server, {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 2})
     err = _error(r, 413)
     assert "4096" in err["message"]
 
 
 def test_queue_limit_is_429_with_retry_after(limited_server):
-    client = _limited_client(limited_server)
-    # --max-num-seqs 1: one sample of the blocker runs, the other three wait in the queue and
-    # hold some of its --max-num-queued-tokens=64; a 62-token prompt no longer fits beside them.
-    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=4,
-                                        stream=True, extra_body={"ignore_eos": True})
-    try:
-        next(iter(blocker))
-        r = httpx.post(f"{limited_server.base_url}/v1/completions",
-                       json={"model": MODEL, "prompt": [7] * 62, "max_tokens": 2},
-                       headers={"Authorization": "Bearer sesame"}, timeout=30)
+    with _blocked_queue(limited_server):
+        # A 62-token prompt no longer fits beside the three queued samples.
+        r = _post_limited(limited_server, {"model": MODEL, "prompt": [7] * 62, "max_tokens": 2})
         err = _error(r, 429)
         assert "max_num_queued_tokens" in err["message"]
         assert int(r.headers["retry-after"]) >= 1
-    finally:
-        blocker.close()
 
 
 def test_prompt_larger_than_the_whole_queue_is_400(limited_server):
     # More prompt tokens than --max-num-queued-tokens=64 can ever hold: retrying cannot help.
-    r = httpx.post(f"{limited_server.base_url}/v1/completions",
-                   json={"model": MODEL, "prompt": [7] * 100, "max_tokens": 2},
-                   headers={"Authorization": "Bearer sesame"}, timeout=30)
+    r = _post_limited(limited_server, {"model": MODEL, "prompt": [7] * 100, "max_tokens": 2})
     err = _error(r, 400)
     assert "max_num_queued_tokens" in err["message"]
 
 
 def test_request_still_queued_after_the_timeout_is_408(limited_server):
-    client = _limited_client(limited_server)
-    # --max-num-seqs 1: four samples of 480 tokens run one after another, for thousands of
-    # steps, while the next request waits behind them past its 0.5 s --request-timeout.
-    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=4,
-                                        stream=True, extra_body={"ignore_eos": True})
-    try:
-        next(iter(blocker))  # the blocker is running
+    with _blocked_queue(limited_server) as client:
+        # The next request waits behind the blocker past its 0.5 s --request-timeout.
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model=MODEL, prompt="late", max_tokens=2)
         assert e.value.status_code == 408 and "request-timeout" in e.value.message
-    finally:
-        blocker.close()
