@@ -95,3 +95,12 @@ def test_missing_or_misshapen_tensor_is_a_clear_error(tiny_llama_dir):
     broken["model.norm.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="model.norm.weight.*shape"):
         LlamaForCausalLM(cfg, broken, torch.float32, max_position=64)
+
+
+def test_onednn_and_plain_matrix_products_agree():
+    from llmtower.models import linear as ops
+
+    torch.manual_seed(0)
+    x, w, g, b = torch.randn(7, 64), torch.randn(96, 64), torch.randn(96, 64), torch.randn(96)
+    torch.testing.assert_close(ops.linear(x, w, b), ops._plain_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.silu_mul(x, g, w), ops._plain_silu_mul(x, g, w), rtol=1e-5, atol=1e-4)

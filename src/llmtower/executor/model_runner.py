@@ -3,11 +3,11 @@
 One step:
   1. apply the scheduler's deltas to the persistent ``InputBatch`` (finished requests leave,
      new ones get a row, cached ones get new blocks / a new progress count);
-  2. build the flat batch with vectorized numpy: for the scheduled requests in order, their
-     new tokens' ids, positions and KV slots, and which rows reach the end of their sequence
-     (those are sampled);
-  3. plan the attention once for all layers (``AttentionMetadata``): single-token queries are
-     grouped by context length, longer chunks are handled one by one;
+  2. build the flat batch with vectorized numpy: single-token queries first (sorted by context
+     length), then longer chunks; each token's id, position and KV slot; which requests reach
+     the end of their sequence (those are sampled);
+  3. plan the attention once for all layers (``AttentionMetadata``): the single-token queries
+     are cut into groups of similar context length, longer chunks are handled one by one;
   4. run the model over all T tokens, sample, append the sampled tokens to the batch.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from llmtower.models.llama import LlamaForCausalLM
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
 # L3 cache between the gather and the attention that reads it, large enough to keep the number
-# of calls per layer low (measured on W1 with 2 threads: 6 MiB beats 1.5 MiB and 24 MiB).
-import os
-DECODE_GROUP_BYTES = int(os.environ.get("LT_DGB", 6 * 2**20))
+# of calls per layer low. Measured on W1's decode phase with 2 threads (32 MiB L3): 12 MiB
+# beats 2, 6, 9, 24 and 48 MiB.
+DECODE_GROUP_BYTES = 12 * 2**20
 
 
 @dataclass

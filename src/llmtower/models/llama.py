@@ -6,8 +6,9 @@ belongs to (``PagedAttention`` with the step's ``AttentionMetadata``).
 
 The arithmetic follows Hugging Face transformers operation by operation (RMSNorm in float32,
 ``x * rsqrt(mean(x^2) + eps)`` then ``weight *``; residual adds; RoPE in the rotate-half form)
-so that greedy outputs match it token for token. q/k/v and gate/up projections are fused into
-one matrix each, so each runs as one GEMM.
+so that greedy outputs match it token for token. The q/k/v projections are fused into one
+matrix (one GEMM); SiLU and the gate * up product run inside the up projection's GEMM
+(``models/linear.py``).
 """
 from __future__ import annotations
 
@@ -18,31 +19,8 @@ import torch.nn.functional as F
 
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
+from llmtower.models.linear import linear, silu_mul
 from llmtower.models.rope import RotaryEmbedding
-
-
-def _make_linear():
-    """oneDNN's matmul (the op torch.compile uses for CPU linears) where this torch has it:
-    on W1's decode shapes (64 rows) it runs at ~160 GFLOPS with cold weights where
-    ``F.linear``'s MKL path gets ~110, and it is no slower on large batches. Full float32
-    precision either way; ``F.linear`` elsewhere."""
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        if not torch.backends.mkldnn.is_available():
-            raise RuntimeError("oneDNN is not available")
-        x, w = torch.ones(2, 4), torch.ones(3, 4)
-        if not torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
-            raise RuntimeError("oneDNN linear disagrees with F.linear")
-    except (AttributeError, RuntimeError):
-        return F.linear
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return op(x, weight, bias, "none", [], "")
-
-    return linear
-
-
-linear = _make_linear()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,7 +41,8 @@ class DecoderLayerWeights:
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate: torch.Tensor
+    up: torch.Tensor
     down: torch.Tensor
 
 
@@ -111,14 +90,13 @@ class LlamaForCausalLM:
         # the weights.
         o_bias = take(p + "self_attn.o_proj.bias", (c.hidden_size,)) \
             if take.has(p + "self_attn.o_proj.bias") else None
-        gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
-        up = take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=torch.cat([q, k, v]).contiguous(), qkv_bias=qkv_bias,
             o_proj=take(p + "self_attn.o_proj.weight", (c.hidden_size, h * hd)), o_bias=o_bias,
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=torch.cat([gate, up]).contiguous(),
+            gate=take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+            up=take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
             down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)))
 
     @torch.inference_mode()
@@ -137,11 +115,10 @@ class LlamaForCausalLM:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
                 residual = residual.index_select(0, logits_indices)
-            h = residual + x
-            residual = h
+            # In place: the residual stream is this forward's own tensor (the embedding output).
+            h = residual.add_(x)
             x = rms_norm(h, layer.post_norm, self.eps)
-            x = self._mlp(x, layer)
-            h = residual + x
+            h = h.add_(self._mlp(x, layer))
         if not self.layers:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.eps)
@@ -164,10 +141,7 @@ class LlamaForCausalLM:
         return linear(o, layer.o_proj, layer.o_bias)
 
     def _mlp(self, x: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
-        gate_up = linear(x, layer.gate_up)
-        n = gate_up.shape[-1] // 2
-        gate = F.silu(gate_up[:, :n])
-        return linear(gate.mul_(gate_up[:, n:]), layer.down)
+        return linear(silu_mul(x, layer.gate, layer.up), layer.down)
 
 
 class _Taker:
