@@ -55,7 +55,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature, 0 for greedy (default: 1.0, as vLLM's)")
     parser.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(num_threads=0)
 
 
 def input_lengths(num_prompts: int, input_len: int, range_ratio: float, len_range: str | None,

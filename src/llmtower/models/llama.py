@@ -4,9 +4,9 @@ A step's tokens from many requests (prefill chunks and decodes mixed) form one `
 every linear layer runs once over all T rows; only attention looks at which request a row
 belongs to (``PagedAttention`` with the step's ``AttentionMetadata``).
 
-The arithmetic follows Hugging Face transformers operation by operation (RMSNorm in float32,
-``x * rsqrt(mean(x^2) + eps)`` then ``weight *``; residual adds; RoPE in the rotate-half form)
-so that greedy outputs match it token for token. The q/k/v projections are fused into one
+The arithmetic follows Hugging Face transformers (RMSNorm in float32, ``x * rsqrt(mean(x^2) +
+eps)`` then ``weight *``; residual adds; RoPE in the rotate-half form; float32 logits), up to
+summation order and fused multiply-adds, so that greedy outputs match it token for token. The q/k/v projections are fused into one
 matrix (one GEMM); SiLU and the gate * up product run inside the up projection's GEMM
 (``models/linear.py``).
 """
@@ -33,7 +33,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class DecoderLayerWeights:
-    """Owns one decoder layer's tensors (fused q/k/v and gate/up)."""
+    """Owns one decoder layer's tensors (q/k/v fused into one matrix)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
