@@ -364,8 +364,7 @@ class Scheduler:
                 cached_reqs.append(CachedRequestData(rid, step.new_blocks.get(rid, _EMPTY),
                                                      req.num_computed_tokens))
             req.num_computed_tokens += n  # the one rule: catch up by what was scheduled
-        total = cfg_budget = self.config.max_num_batched_tokens
-        total = cfg_budget - step.budget
+        total = self.config.max_num_batched_tokens - step.budget
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -430,7 +429,7 @@ class Scheduler:
                     self.swapped.remove(req)
                 else:
                     self.waiting.remove(req)
-                self._finish(req, status, remove_from_running=False)
+                self._finish(req, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = req.stop_reason
                 out.metrics = self._metrics(req)
@@ -454,7 +453,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _finish(self, req: Request, status: RequestStatus, remove_from_running: bool = False) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.times.finished = self.clock()
         self.kv.free(req)
