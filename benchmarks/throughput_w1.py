@@ -11,6 +11,7 @@ same number of torch threads. Prints both output-token rates and their ratio.
 
     .venv/bin/python benchmarks/throughput_w1.py            # W1, both engines
     .venv/bin/python benchmarks/throughput_w1.py --model smollm2-135m-instruct --skip-hf
+    .venv/bin/python benchmarks/throughput_w1.py --attention-backend torch --skip-hf
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "c", "torch"],
+                   help="llmtower's decode attention: the C kernel or pure PyTorch")
     p.add_argument("--skip-hf", action="store_true", help="run llmtower only")
     p.add_argument("--skip-llmtower", action="store_true", help="run transformers only")
     p.add_argument("--output-json", default=None)
@@ -77,14 +80,16 @@ def model_dir(name: str):
 def run_llmtower(path, prompts, args) -> dict:
     core = create_engine_core(EngineArgs(
         model=str(path), num_threads=args.threads, kv_cache_memory=args.kv_cache_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, seed=args.seed))
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, seed=args.seed,
+        attention_backend=args.attention_backend))
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     tp.run_engine(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
     core.reset_prefix_cache()
     steps0 = core.scheduler.num_steps
     elapsed, num_out = tp.run_engine(core, prompts, sp)
     result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
-              "steps": core.scheduler.num_steps - steps0, "preemptions": core.scheduler.num_preemptions}
+              "steps": core.scheduler.num_steps - steps0, "preemptions": core.scheduler.num_preemptions,
+              "attention_backend": core.executor.runner.attn.backend}
     core.shutdown()
     return result
 
@@ -134,7 +139,7 @@ def main() -> None:
             results["llmtower"] = r = run_llmtower(path, prompts, args)
         r["cpu_taken_by_others"] = share.others
         print(f"llmtower:     {r['output_tok_per_s']:7.1f} output tok/s  ({r['elapsed_s']:.1f} s, "
-              f"{r['steps']} steps; other processes took {share.others:.0%} of the CPU)", flush=True)
+              f"{r['steps']} steps, {r['attention_backend']} attention; other processes took {share.others:.0%} of the CPU)", flush=True)
         gc.collect()
     if not args.skip_hf:
         with CpuShare() as share:

@@ -28,10 +28,12 @@ def model(request, tiny_llama_dir, tiny_qwen2_dir):
     return model_dir, hf_greedy(model_dir, PROMPTS, MAX_TOKENS), hf_greedy(model_dir, PREFIXED, MAX_TOKENS)
 
 
+@pytest.mark.parametrize("backend", ["c", "torch"])  # decode attention: C kernel, pure PyTorch
 @pytest.mark.parametrize("condition", list(CONDITIONS))
-def test_greedy_matches_transformers(model, condition):
+def test_greedy_matches_transformers(model, condition, backend):
     model_dir, expected, _ = model
-    core = make_engine(model_dir, **CONDITIONS[condition])
+    core = make_engine(model_dir, attention_backend=backend, **CONDITIONS[condition])
+    assert core.executor.runner.attn.backend == backend
     add_greedy(core, PROMPTS, MAX_TOKENS)
     out = run_all(core)
     assert [out[str(i)] for i in range(len(PROMPTS))] == expected

@@ -67,7 +67,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks)
     scheduler_config = args.create_scheduler_config(max_model_len)
     state_dict = load_state_dict(path, dtype)
-    executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed)
+    executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
+                           attention_backend=args.attention_backend)
     del state_dict
     core = EngineCore(Scheduler(scheduler_config, cache_config), executor)
     core.model_config = config  # type: ignore[attr-defined]

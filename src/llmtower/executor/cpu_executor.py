@@ -18,7 +18,7 @@ class CPUExecutor:
 
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str = "auto") -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
         self.model_config = model_config
@@ -26,7 +26,8 @@ class CPUExecutor:
         self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len)
         self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
                                 cache_config.block_size, dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
+                                  attention_backend)
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -21,7 +21,8 @@ from llmtower.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOut
 from llmtower.executor.input_batch import InputBatch
 from llmtower.executor.kv_cache import KVCache
 from llmtower.executor.sampler import Sampler
-from llmtower.models.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSeq
+from llmtower.models.attention import (AttentionMetadata, DecodeBatch, DecodeGroup,
+                                       PagedAttention, PrefillSeq)
 from llmtower.models.llama import LlamaForCausalLM
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
@@ -48,7 +49,7 @@ class ModelRunner:
     the KV tensors it attends over belong to the ``KVCache`` it is given."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_model_len: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.kv_cache = kv_cache
@@ -60,7 +61,8 @@ class ModelRunner:
         self.decode_group_tokens = max(bs, DECODE_GROUP_BYTES // bytes_per_token)
         buffer_blocks = max(self.decode_group_tokens // bs + 1, self.batch.max_blocks_per_req)
         self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, bs, model.dtype, buffer_blocks)
+                                   cfg.head_dim, bs, model.dtype, buffer_blocks,
+                                   attention_backend)
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -127,12 +129,18 @@ class ModelRunner:
                           torch.from_numpy(last_row[sample_mask]), sample_mask, rows[sample_mask])
 
     def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
-        """Cut the single-token queries (flat rows 0..len(rows), ascending context length)
-        into groups whose padded K/V fit the group budget."""
+        """The single-token queries (flat rows 0..len(rows), ascending context length): for the
+        C kernel, their block tables and lengths; for the torch backend, groups whose padded
+        K/V fit the group budget."""
         m = len(rows)
         if m == 0:
             return
         bs = self.block_size
+        if self.attn.backend == "c":
+            nb = -(-int(end[-1]) // bs)  # ascending: the last one is the longest
+            meta.decodes = DecodeBatch(m, torch.from_numpy(self.batch.block_table[rows, :nb]),
+                                       torch.from_numpy(np.ascontiguousarray(end, dtype=np.int64)))
+            return
         padded = -(-end // bs) * bs  # context rounded up to whole blocks
         budget = self.decode_group_tokens
         table = self.batch.block_table

@@ -9,12 +9,16 @@ their slots, and only then lets requests attend, so a request may read blocks th
 request of the same step fills. Then three kinds of work, planned once per step in
 ``AttentionMetadata`` and reused by every layer:
 
-- decode groups: requests with one query token (decodes, and 1-token chunks), which the runner
-  puts first in the flat batch, sorted by context length, and cuts into groups. A group's
-  blocks are gathered (whole blocks, ``index_select`` into a reused buffer small enough to
-  stay in the CPU cache) and one ``scaled_dot_product_attention`` call with a length mask
-  serves the group. Under GQA the query heads sharing a KV head are laid out
-  as that head's "query rows", so keys are never repeated.
+- decodes: requests with one query token (decodes, and 1-token chunks), which the runner puts
+  first in the flat batch, sorted by context length. Two backends:
+  * ``c`` (float32, where a C compiler exists; the default there): one call of the C kernel
+    ``kernels/paged_attention.c`` serves them all, reading each request's keys and values in
+    place through its block table, each exactly once;
+  * ``torch``: the decodes are cut into groups; a group's blocks are gathered (whole blocks,
+    ``index_select`` into a reused buffer small enough to stay in the CPU cache) and one
+    ``scaled_dot_product_attention`` call with a length mask serves the group. Under GQA the
+    query heads sharing a KV head are laid out as that head's "query rows", so keys are never
+    repeated. On W1 this is ~3x slower than the kernel: the gather is a copy of every block.
 - fresh prefills: chunks starting at position 0 attend only to themselves: causal SDPA on the
   new K/V, no gather.
 - prefills with context (later chunks of a chunked prefill, prefix-cache hits, recompute): the
@@ -22,10 +26,38 @@ request of the same step fills. Then three kinds of work, planned once per step 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from llmtower.kernels.paged_attention import kernel_error, paged_decode
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "c", "torch")
+
+
+def resolve_backend(backend: str, dtype: torch.dtype) -> str:
+    """``auto`` -> ``c`` where the kernel builds and the dtype is float32, else ``torch``."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "torch":
+        return backend
+    if dtype != torch.float32:
+        if backend == "c":
+            raise ValueError(f"attention_backend='c' runs float32 only, not {dtype}: use "
+                             "--attention-backend torch (or auto) for this dtype")
+        return "torch"
+    err = kernel_error()
+    if err is None:
+        return "c"
+    if backend == "c":
+        raise RuntimeError(f"attention_backend='c' but the C kernel is unavailable: {err}")
+    logger.warning("C attention kernel unavailable, using the PyTorch path (about 3x slower "
+                   "decode attention): %s", err)
+    return "torch"
 
 
 @dataclass
@@ -39,6 +71,15 @@ class DecodeGroup:
     num_blocks: int
     # [c, 1, 1, num_blocks * block_size], additive: 0 where the key exists, -inf past the end
     mask: torch.Tensor
+
+
+@dataclass
+class DecodeBatch:
+    """All single-token queries of the step, for the C kernel: flat rows ``0:num_reqs``."""
+
+    num_reqs: int
+    block_tables: torch.Tensor  # [num_reqs, max blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [num_reqs] int64: keys each query attends to
 
 
 @dataclass
@@ -59,16 +100,18 @@ class AttentionMetadata:
 
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    decodes: DecodeBatch | None = None  # backend "c"
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
 class PagedAttention:
-    """Owns the attention shapes and a reusable gather buffer; computes one layer's attention
-    for the whole flat batch against that layer's paged cache."""
+    """Owns the attention shapes, the decode backend and a reusable gather buffer; computes one
+    layer's attention for the whole flat batch against that layer's paged cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, gather_buffer_blocks: int) -> None:
+                 dtype: torch.dtype, gather_buffer_blocks: int, backend: str = "auto") -> None:
+        self.backend = resolve_backend(backend, dtype)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -91,6 +134,10 @@ class PagedAttention:
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
+        if meta.decodes is not None:
+            db, m = meta.decodes, meta.decodes.num_reqs
+            paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
+                         out[:m].view(m, self.num_heads, d), self.scale, torch.get_num_threads())
         if meta.decode_groups:
             q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:

@@ -1,0 +1,79 @@
+"""Python side of the C paged decode-attention kernel (``paged_attention.c``).
+
+``paged_decode(...)`` checks shapes, dtypes and layouts (a wrong pointer in C is a crash, not
+an exception, so everything the C code assumes is checked here) and calls the kernel with the
+tensors' data pointers; ctypes releases the GIL for the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from llmtower.kernels.build import KernelUnavailable, load
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _fn() -> ctypes._CFuncPtr:
+    f = load("paged_attention").paged_decode_f32
+    f.restype = ctypes.c_int
+    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                  ctypes.c_float, ctypes.c_int]
+    return f
+
+
+def kernel_error() -> str | None:
+    """Why the kernel cannot run here, or None when it can (builds it on first call)."""
+    try:
+        _fn()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                 scale: float, num_threads: int) -> torch.Tensor:
+    """One query token per request against its paged context.
+
+    q [n, H, D] (rows may be strided, heads and dims contiguous); k_cache/v_cache
+    [num_blocks, block_size, Hkv, D] contiguous; block_tables [n, >= max blocks] int64
+    contiguous; context_lens [n] int64 >= 1; out [n, H, D] contiguous. float32 only.
+    """
+    n, h, d = q.shape
+    nb, bs, hkv, d2 = k_cache.shape
+    if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit the cache "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"paged_decode: {name} is {t.dtype}; the kernel is float32 only")
+    if q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError("paged_decode: q's heads and head dims must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_decode: the caches and the output must be contiguous")
+    if tuple(out.shape) != (n, h, d):
+        raise ValueError(f"paged_decode: out is {tuple(out.shape)}, expected {(n, h, d)}")
+    if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
+            or not block_tables.is_contiguous() or not context_lens.is_contiguous()
+            or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):
+        raise ValueError("paged_decode: block_tables [n, blocks] and context_lens [n] must be "
+                         "contiguous int64")
+    if n == 0:
+        return out
+    # The C code trusts every block id and length: one bad index would read outside the cache.
+    max_len = int(context_lens.max())
+    if int(context_lens.min()) < 1 or max_len > block_tables.shape[1] * bs:
+        raise ValueError(f"paged_decode: context lengths must be in 1..{block_tables.shape[1] * bs}")
+    used = block_tables[:, :-(-max_len // bs)]
+    if int(used.min()) < 0 or int(used.max()) >= nb:
+        raise ValueError(f"paged_decode: block ids must be in 0..{nb - 1}")
+    rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+               out.data_ptr(), n, h, hkv, d, bs, scale, num_threads)
+    if rc != 0:
+        raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
+    return out

@@ -1,0 +1,136 @@
+"""The C paged decode-attention kernel against PyTorch's SDPA, its input checks, and its build."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmtower.kernels import build
+from llmtower.kernels.paged_attention import paged_decode
+from llmtower.models import attention
+from llmtower.models.attention import resolve_backend
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Each request alone: gather its blocks, cut to its length, SDPA with GQA."""
+    bs, hkv, d = k_cache.shape[1:]
+    outs = []
+    for r in range(q.shape[0]):
+        n = int(lens[r])
+        blocks = tables[r, :-(-n // bs)]
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].transpose(0, 1)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[r].unsqueeze(1), k, v, scale=scale,
+                                           enable_gqa=q.shape[1] != hkv)
+        outs.append(o.squeeze(1))
+    return torch.stack(outs)
+
+
+def case(seed, heads, kv_heads, head_dim, block_size, lens, num_blocks=200):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    width = max(-(-n // block_size) for n in lens) + 2  # padded like the runner's tables
+    perm = torch.randperm(num_blocks, generator=g)  # scattered, never shared
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    used = 0
+    for r, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[r, :nb] = perm[used:used + nb]
+        used += nb
+    # q as the model hands it over: a view into a wider [T, heads + kv_heads, D] tensor
+    qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=g)
+    return qk[:, :heads], k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (12, 12, 64, 16),  # W1's shape
+    (8, 2, 32, 4),     # grouped-query attention
+    (9, 3, 64, 16),    # SmolLM2's shape
+    (4, 1, 8, 1),      # one token per block
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, threads):
+    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 97, 200, 5]
+    q, k_cache, v_cache, tables, ctx = case(0, heads, kv_heads, head_dim, block_size, lens,
+                                            num_blocks=sum(-(-n // block_size) for n in lens) + 8)
+    out = torch.full((len(lens), heads, head_dim), float("nan"))
+    scale = head_dim ** -0.5
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, scale, threads)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, ctx, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_reads_only_the_blocks_in_the_table():
+    """Poison every block no request owns: a read outside the table would show as NaN."""
+    lens = [7, 16, 33]
+    q, k_cache, v_cache, tables, ctx = case(1, 4, 2, 16, 4, lens, num_blocks=40)
+    owned = torch.zeros(40, dtype=torch.bool)
+    for r, n in enumerate(lens):
+        owned[tables[r, :-(-n // 4)]] = True
+    expected = reference(q, k_cache, v_cache, tables, ctx, 0.25)
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("nan")
+    # and the unused tail of each request's last block
+    for r, n in enumerate(lens):
+        if n % 4:
+            last = tables[r, n // 4]
+            k_cache[last, n % 4:] = float("nan")
+            v_cache[last, n % 4:] = float("nan")
+    out = torch.empty(3, 4, 16)
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, 0.25, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_errors_not_crashes():
+    q, k_cache, v_cache, tables, ctx = case(2, 4, 2, 8, 4, [5, 9], num_blocks=8)
+    out = torch.empty(2, 4, 8)
+    bad_tables = tables.clone()
+    bad_tables[1, 0] = 8  # past the cache
+    with pytest.raises(ValueError, match="block ids"):
+        paged_decode(q, k_cache, v_cache, bad_tables, ctx, out, 1.0, 1)
+    with pytest.raises(ValueError, match="context lengths"):
+        paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 0]), out, 1.0, 1)
+    with pytest.raises(ValueError, match="context lengths"):  # more keys than the table holds
+        paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 4 * tables.shape[1] + 1]),
+                     out, 1.0, 1)
+    with pytest.raises(TypeError, match="float32"):
+        paged_decode(q.bfloat16(), k_cache, v_cache, tables, ctx, out, 1.0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode(q, k_cache, v_cache, tables, ctx, torch.empty(4, 8, 2).transpose(0, 2), 1.0, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode(torch.empty(2, 3, 8), k_cache, v_cache, tables, ctx, out, 1.0, 1)
+
+
+def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = build.load.__wrapped__("paged_attention")
+    libs = list((tmp_path / "llmtower" / "kernels").glob("paged_attention-*.so"))
+    assert len(libs) == 1 and first._name == str(libs[0])
+    mtime = libs[0].stat().st_mtime_ns
+    build.load.__wrapped__("paged_attention")  # reuses the file, no rebuild
+    assert libs[0].stat().st_mtime_ns == mtime
+    assert not [p for p in libs[0].parent.iterdir() if p.name.startswith(".")]  # no temp files
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(build.KernelUnavailable, match="no-such-compiler"):
+        build.load.__wrapped__("paged_attention")
+
+
+def test_backend_choice(monkeypatch, caplog):
+    assert resolve_backend("torch", torch.float32) == "torch"
+    assert resolve_backend("auto", torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="float32 only"):
+        resolve_backend("c", torch.bfloat16)
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_backend("cuda", torch.float32)
+    assert resolve_backend("auto", torch.float32) == "c"  # gcc is on every test machine
+
+    monkeypatch.setattr(attention, "kernel_error", lambda: "no C compiler: 'cc' is not on PATH")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_backend("auto", torch.float32) == "torch"
+    assert "no C compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        resolve_backend("c", torch.float32)
