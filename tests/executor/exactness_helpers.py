@@ -45,11 +45,12 @@ def run_all(core: EngineCore, max_steps: int = 20_000) -> dict[str, list[int]]:
     raise AssertionError("the engine did not finish its requests")
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """transformers' generate(), greedy, each prompt alone; EOS does not stop it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     gen = model.generation_config
     gen.eos_token_id = None  # like ignore_eos
     outs = []

@@ -71,6 +71,23 @@ def test_prefix_caching_with_preemption_and_chunks_matches_transformers(model):
     assert core.scheduler.num_preemptions > 0 and core.scheduler.kv.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("backend", ["c", "torch"])
+def test_bfloat16_greedy_follows_transformers_bfloat16(tiny_llama_dir, backend):
+    """bfloat16 rounds differently in every implementation, so near-ties may break the other
+    way and a sequence may diverge from there on; but most sequences must match transformers'
+    bfloat16 generate() whole (a wrong kernel or cache layout would match almost nothing)."""
+    import torch
+
+    expected = hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, torch.bfloat16)
+    core = make_engine(tiny_llama_dir, dtype="bfloat16", attention_backend=backend,
+                       num_gpu_blocks=40, preemption_mode="recompute")
+    add_greedy(core, PROMPTS, MAX_TOKENS)
+    out = run_all(core)
+    got = [out[str(i)] for i in range(len(PROMPTS))]
+    assert core.scheduler.num_preemptions > 0
+    assert sum(g == e for g, e in zip(got, expected)) >= 12, (got, expected)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_dir):
     from llmtower.core.outputs import EngineCoreRequest
     from llmtower.core.sampling_params import SamplingParams

@@ -63,6 +63,24 @@ def test_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, threads):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 12, 64), (9, 3, 64), (8, 2, 24)])
+def test_bfloat16_kernel_is_float32_math_rounded_once(heads, kv_heads, head_dim):
+    """bfloat16 in and out, float32 inside: equal to float32 attention over the same bfloat16
+    values, rounded to bfloat16 at the end (one rounding step apart at most)."""
+    lens = [1, 17, 64, 130, 33]
+    q, k_cache, v_cache, tables, ctx = case(3, heads, kv_heads, head_dim, 16, lens, num_blocks=40)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, scale, 2)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), tables, ctx, scale)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=8e-3, atol=1e-3)
+    # and as close to it as PyTorch's own bfloat16 SDPA gets
+    ours = (out.float() - expected).abs().max()
+    theirs = (reference(q, k_cache, v_cache, tables, ctx, scale).float() - expected).abs().max()
+    assert ours <= theirs * 1.5
+
+
 def test_kernel_reads_only_the_blocks_in_the_table():
     """Poison every block no request owns: a read outside the table would show as NaN."""
     lens = [7, 16, 33]
@@ -96,8 +114,10 @@ def test_bad_inputs_are_errors_not_crashes():
     with pytest.raises(ValueError, match="context lengths"):  # more keys than the table holds
         paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 4 * tables.shape[1] + 1]),
                      out, 1.0, 1)
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="one dtype"):
         paged_decode(q.bfloat16(), k_cache, v_cache, tables, ctx, out, 1.0, 1)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        paged_decode(q.half(), k_cache, v_cache, tables, ctx, out, 1.0, 1)
     with pytest.raises(ValueError, match="contiguous"):
         paged_decode(q, k_cache, v_cache, tables, ctx, torch.empty(4, 8, 2).transpose(0, 2), 1.0, 1)
     with pytest.raises(ValueError, match="does not fit"):
@@ -121,12 +141,13 @@ def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monke
 
 def test_backend_choice(monkeypatch, caplog):
     assert resolve_backend("torch", torch.float32) == "torch"
-    assert resolve_backend("auto", torch.bfloat16) == "torch"
-    with pytest.raises(ValueError, match="float32 only"):
-        resolve_backend("c", torch.bfloat16)
+    assert resolve_backend("auto", torch.float16) == "torch"
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        resolve_backend("c", torch.float16)
     with pytest.raises(ValueError, match="not one of"):
         resolve_backend("cuda", torch.float32)
     assert resolve_backend("auto", torch.float32) == "c"  # gcc is on every test machine
+    assert resolve_backend("auto", torch.bfloat16) == "c"
 
     monkeypatch.setattr(attention, "kernel_error", lambda: "no C compiler: 'cc' is not on PATH")
     with caplog.at_level(logging.WARNING):

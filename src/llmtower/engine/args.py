@@ -43,8 +43,8 @@ class EngineArgs:
                     choices=["float32", "bfloat16", "auto"])
     seed: int = _f(0, "global random seed")
     num_threads: int = _f(0, "torch CPU threads (0: the number of cores)")
-    attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use, "
-                                "float32), 'torch' (pure PyTorch) or 'auto' (c where it builds)",
+    attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
+                                "'torch' (pure PyTorch) or 'auto' (c where it builds)",
                                 choices=["auto", "c", "torch"])
     max_model_len: int = _f(0, "longest sequence (prompt + output); 0: the model's own, capped at 8192")
     block_size: int = _f(16, "tokens per KV-cache block")

@@ -1,7 +1,7 @@
-/* Paged decode attention on CPU (float32): each query token attends to its request's KV blocks
- * in place, through the block table, so every key and value is read exactly once per layer;
- * the pure-PyTorch path must first gather a request's scattered blocks into one tensor (a copy)
- * before scaled_dot_product_attention reads them again.
+/* Paged decode attention on CPU (float32 or bfloat16): each query token attends to its
+ * request's KV blocks in place, through the block table, so every key and value is read exactly
+ * once per layer; the pure-PyTorch path must first gather a request's scattered blocks into one
+ * tensor (a copy) before scaled_dot_product_attention reads them again.
  *
  *   k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim]   one layer, contiguous
  *                       a token at position p of request r lives in block
@@ -11,6 +11,8 @@
  *   q                : [num_reqs, num_heads, head_dim], consecutive requests q_stride apart
  *   out              : [num_reqs, num_heads, head_dim], contiguous
  *
+ * q, the caches and out share one dtype; the arithmetic is float32 either way (bfloat16 is
+ * widened on load and rounded to nearest-even on the final store, as PyTorch's CPU SDPA does).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
  * One request at a time per thread: scores for all heads (keys read block by block, slot by
  * slot, so memory is walked forwards), an exact softmax (max, then exp and sum), then the
@@ -23,37 +25,61 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
-    const float *q, *k, *v;
+    const void *q, *k, *v; /* float or uint16_t (bfloat16) elements */
     const int64_t *block_tables, *context_lens;
-    float *out;
+    void *out;
     int64_t num_reqs, q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size;
     int64_t max_context;
     float scale;
 } Job;
 
-/* Always inlined, so that each call below with a constant head_dim gets its own copy whose
- * inner loops the compiler unrolls and vectorizes completely (2x faster than a variable D). */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a float or bfloat16 array; BF16 is a constant in every caller, so the branch
+ * folds away. */
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Always inlined, so that each call in attend_one with a constant head_dim and dtype gets its
+ * own copy whose inner loops the compiler unrolls and vectorizes completely. */
 static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r, float *scores,
-                                                         float *acc, const int64_t D) {
+                                                         float *acc, const int64_t D,
+                                                         const int BF16) {
     const int64_t H = j->num_heads, bs = j->block_size;
     const int64_t G = H / j->num_kv_heads, ctx = j->context_lens[r], row = j->num_kv_heads * D;
-    const float *q = j->q + r * j->q_stride;
     const int64_t *table = j->block_tables + r * j->bt_stride;
+    const void *restrict K = j->k, *restrict V = j->v;
+    float *restrict q = acc + H * (D + 1); /* the query, widened to float32 once */
+    for (int64_t i = 0; i < H * D; i++) q[i] = ld(j->q, r * j->q_stride + i, BF16) * j->scale;
 
     /* scores[h][p] = scale * (q_h . k_p) */
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
-        const float *kb = j->k + table[p0 / bs] * bs * row;
+        const int64_t kb = table[p0 / bs] * bs * row; /* element offset of the block */
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) {
-            const float *kt = kb + t * row;
             for (int64_t h = 0; h < H; h++) {
-                const float *kh = kt + (h / G) * D, *qh = q + h * D;
+                const int64_t kh = kb + t * row + (h / G) * D;
+                const float *qh = q + h * D;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
-                scores[h * ctx + p0 + t] = s * j->scale;
+                for (int64_t d = 0; d < D; d++) s += qh[d] * ld(K, kh + d, BF16);
+                scores[h * ctx + p0 + t] = s;
             }
         }
     }
@@ -71,39 +97,47 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
     /* acc[h] = sum_p exp_score[h][p] * v_p */
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
-        const float *vb = j->v + table[p0 / bs] * bs * row;
+        const int64_t vb = table[p0 / bs] * bs * row;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) {
-            const float *vt = vb + t * row;
             for (int64_t h = 0; h < H; h++) {
-                const float *vh = vt + (h / G) * D, w = scores[h * ctx + p0 + t];
-                float *ah = acc + h * D;
+                const int64_t vh = vb + t * row + (h / G) * D;
+                const float w = scores[h * ctx + p0 + t];
+                float *restrict ah = acc + h * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ah[d] += w * vh[d];
+                for (int64_t d = 0; d < D; d++) ah[d] += w * ld(V, vh + d, BF16);
             }
         }
     }
-    float *o = j->out + r * H * D;
     for (int64_t h = 0; h < H; h++) {
         const float inv = 1.f / acc[H * D + h];
-        for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[h * D + d] * inv;
+        for (int64_t d = 0; d < D; d++) {
+            const float o = acc[h * D + d] * inv;
+            const int64_t i = (r * H + h) * D + d;
+            if (BF16) ((uint16_t *)j->out)[i] = f32_to_bf16(o);
+            else ((float *)j->out)[i] = o;
+        }
     }
 }
 
-static void attend_one(const Job *j, int64_t r, float *scores, float *acc) {
-    switch (j->head_dim) {
-        case 64: attend(j, r, scores, acc, 64); break;
-        case 128: attend(j, r, scores, acc, 128); break;
-        default: attend(j, r, scores, acc, j->head_dim);
+static void attend_one(const Job *j, int64_t r, float *scores, float *acc, int bf16) {
+    switch (j->head_dim * 2 + bf16) { /* the common head sizes get fully unrolled copies */
+        case 64 * 2: attend(j, r, scores, acc, 64, 0); break;
+        case 64 * 2 + 1: attend(j, r, scores, acc, 64, 1); break;
+        case 128 * 2: attend(j, r, scores, acc, 128, 0); break;
+        case 128 * 2 + 1: attend(j, r, scores, acc, 128, 1); break;
+        default:
+            if (bf16) attend(j, r, scores, acc, j->head_dim, 1);
+            else attend(j, r, scores, acc, j->head_dim, 0);
     }
 }
 
-/* Returns 0 on success, -1 when memory for the scores could not be had, -2 on a context
- * length below 1. */
-int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                     const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
-                     float *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+/* dtype 0: float32, 1: bfloat16. Returns 0 on success, -1 when memory for the scores could not
+ * be had, -2 on a context length below 1. */
+int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                 const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
+                 void *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
     Job j = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride, bt_stride,
              num_heads, num_kv_heads, head_dim, block_size, 1, scale};
     for (int64_t r = 0; r < num_reqs; r++) {
@@ -114,12 +148,13 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * j.num_heads * j.max_context);
-        float *acc = malloc(sizeof(float) * j.num_heads * (j.head_dim + 1)); /* + the sums */
+        /* per head: D accumulators, then the H sums, then the widened query */
+        float *acc = malloc(sizeof(float) * j.num_heads * (2 * j.head_dim + 1));
         failed = !scores || !acc;
         /* dynamic: contexts differ in length, so equal shares of requests are unequal work */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < num_reqs; r++)
-            if (!failed) attend_one(&j, r, scores, acc);
+            if (!failed) attend_one(&j, r, scores, acc, dtype == 1);
         free(scores);
         free(acc);
     }

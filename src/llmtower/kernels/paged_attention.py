@@ -14,14 +14,15 @@ import torch
 from llmtower.kernels.build import KernelUnavailable, load
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 
 
 @functools.cache
 def _fn() -> ctypes._CFuncPtr:
-    f = load("paged_attention").paged_decode_f32
+    f = load("paged_attention").paged_decode
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                  ctypes.c_float, ctypes.c_int]
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return f
 
 
@@ -41,16 +42,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     q [n, H, D] (rows may be strided, heads and dims contiguous); k_cache/v_cache
     [num_blocks, block_size, Hkv, D] contiguous; block_tables [n, >= max blocks] int64
-    contiguous; context_lens [n] int64 >= 1; out [n, H, D] contiguous. float32 only.
+    contiguous; context_lens [n] int64 >= 1; out [n, H, D] contiguous. All of q, the caches
+    and out float32, or all bfloat16.
     """
     n, h, d = q.shape
     nb, bs, hkv, d2 = k_cache.shape
     if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit the cache "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"paged_decode: {name} is {t.dtype}; the kernel is float32 only")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"paged_decode: q is {q.dtype}; the kernel runs float32 or bfloat16")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"paged_decode: {name} is {t.dtype} but q is {q.dtype}: one dtype for all")
     if q.stride(2) != 1 or q.stride(1) != d:
         raise ValueError("paged_decode: q's heads and head dims must be contiguous")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
@@ -73,7 +77,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"paged_decode: block ids must be in 0..{nb - 1}")
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-               out.data_ptr(), n, h, hkv, d, bs, scale, num_threads)
+               out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
     if rc != 0:
         raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
     return out

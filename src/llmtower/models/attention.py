@@ -11,9 +11,9 @@ request of the same step fills. Then three kinds of work, planned once per step 
 
 - decodes: requests with one query token (decodes, and 1-token chunks), which the runner puts
   first in the flat batch, sorted by context length. Two backends:
-  * ``c`` (float32, where a C compiler exists; the default there): one call of the C kernel
-    ``kernels/paged_attention.c`` serves them all, reading each request's keys and values in
-    place through its block table, each exactly once;
+  * ``c`` (float32 or bfloat16, where a C compiler exists; the default there): one call of
+    the C kernel ``kernels/paged_attention.c`` serves them all, reading each request's keys
+    and values in place through its block table, each exactly once;
   * ``torch``: the decodes are cut into groups; a group's blocks are gathered (whole blocks,
     ``index_select`` into a reused buffer small enough to stay in the CPU cache) and one
     ``scaled_dot_product_attention`` call with a length mask serves the group. Under GQA the
@@ -40,15 +40,15 @@ ATTENTION_BACKENDS = ("auto", "c", "torch")
 
 
 def resolve_backend(backend: str, dtype: torch.dtype) -> str:
-    """``auto`` -> ``c`` where the kernel builds and the dtype is float32, else ``torch``."""
+    """``auto`` -> ``c`` where the kernel builds (float32 and bfloat16), else ``torch``."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if backend == "torch":
         return backend
-    if dtype != torch.float32:
+    if dtype not in (torch.float32, torch.bfloat16):
         if backend == "c":
-            raise ValueError(f"attention_backend='c' runs float32 only, not {dtype}: use "
-                             "--attention-backend torch (or auto) for this dtype")
+            raise ValueError(f"attention_backend='c' runs float32 and bfloat16, not {dtype}: "
+                             "use --attention-backend torch (or auto) for this dtype")
         return "torch"
     err = kernel_error()
     if err is None:
