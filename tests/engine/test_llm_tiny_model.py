@@ -58,3 +58,30 @@ def test_prompt_too_long(llm):
     with pytest.raises(AdmissionError, match="max_model_len"):
         llm.generate([[5] * 200], use_tqdm=False)
     assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_stop_string_finish_reports_engine_queue_time_and_preemptions(tiny_llama_dir):
+    """A stop string ends a request in the client, not the engine; its metrics must still carry
+    the engine's queue time and preemption count."""
+    from llmtower import LLM
+
+    # 12 blocks of 4 tokens for 6 prompts that each grow to ~30 tokens: preemptions happen.
+    small = LLM(model=str(tiny_llama_dir), num_threads=1, max_model_len=64, block_size=4,
+                num_gpu_blocks=12, seed=0)
+    prompts = [f"Prompt number {i} says hello" for i in range(6)]
+    free = small.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in free) > 0
+    tok = small.get_tokenizer()
+    # the text of output tokens 14-15: late (after preemptions) but before the engine's end
+    stops = [tok.decode(o.outputs[0].token_ids[:16])[len(tok.decode(o.outputs[0].token_ids[:14])):]
+             for o in free]
+    outs = small.generate(prompts, [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                   stop=[s] if s else []) for s in stops],
+                          use_tqdm=False)
+    by_string = [(o, f) for o, f in zip(outs, free)
+                 if o.outputs[0].stop_reason in stops and len(o.outputs[0].token_ids) < 20]
+    assert len(by_string) >= 3
+    assert sum(o.metrics.num_preemptions for o, _ in by_string) > 0
+    assert all(o.metrics.queue_time > 0 for o, _ in by_string)
+    assert all(o.metrics.e2e_latency >= o.metrics.ttft >= o.metrics.queue_time for o, _ in by_string)

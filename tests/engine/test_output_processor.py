@@ -157,6 +157,18 @@ def test_stop_string_finish_still_reports_metrics(tokenizer):
     assert m is not None and m.num_generation_tokens >= 1 and m.e2e_latency >= m.ttft
 
 
+def test_stop_string_metrics_carry_the_engines_queue_time_and_preemptions(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    add(proc, "r", tokenizer, FINAL_ONLY, stop=["world"])
+    hello, world = tokenizer.encode("Hello world")[:2]
+    steps = [EngineCoreOutput("r", [hello], queue_time=0.25),
+             EngineCoreOutput("r", [world], num_preemptions=2)]
+    outs = [o for s in steps for o in proc.process_outputs(EngineCoreOutputs([s])).request_outputs]
+    m = outs[-1].metrics
+    assert outs[-1].outputs[0].finish_reason == "stop"
+    assert m.queue_time == 0.25 and m.num_preemptions == 2
+
+
 def test_logprobs_become_per_token_dicts(tokenizer):
     proc = OutputProcessor(tokenizer)
     add(proc, "r", tokenizer, FINAL_ONLY, logprobs=2)

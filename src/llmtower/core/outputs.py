@@ -129,6 +129,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # What the client needs to report a request that a stop string ends on its side (the
+    # engine then only hears of it as an abort): the queue time with the first token, the
+    # preemption count so far with every output.
+    queue_time: float = 0.0
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

@@ -41,6 +41,8 @@ class RequestState:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time = 0.0
+        self.queue_time = 0.0  # as the engine measured it
+        self.num_preemptions = 0
         # What DELTA outputs have already sent.
         self.sent_tokens = 0
         self.sent_chars = 0
@@ -54,6 +56,8 @@ class RequestState:
         request here: the engine does not know yet and must be told to abort it."""
         if not self.first_token_time and out.new_token_ids:
             self.first_token_time = time.monotonic()
+            self.queue_time = out.queue_time
+        self.num_preemptions = out.num_preemptions
         self.token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs and self.logprobs is not None:
@@ -85,12 +89,14 @@ class RequestState:
 
     def _client_side_metrics(self) -> RequestMetrics:
         """Metrics of a request that the engine did not finish (a stop string ended it here):
-        what the client saw; the queue time and preemptions stay unknown (0)."""
+        the times the client saw, with the queue time and preemptions the engine sent along."""
         now = time.monotonic()
         first = self.first_token_time or now
+        ttft = max(0.0, first - self.arrival_time)
         return RequestMetrics(
-            arrival_time=self.arrival_time, ttft=max(0.0, first - self.arrival_time),
-            decode_time=max(0.0, now - first), e2e_latency=max(0.0, now - self.arrival_time),
+            arrival_time=self.arrival_time, queue_time=self.queue_time, ttft=ttft,
+            prefill_time=max(0.0, ttft - self.queue_time), decode_time=max(0.0, now - first),
+            e2e_latency=max(0.0, now - self.arrival_time), num_preemptions=self.num_preemptions,
             num_cached_tokens=self.num_cached_tokens, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=len(self.token_ids))
 

@@ -415,10 +415,12 @@ class Scheduler:
                 if status is not None:
                     break
             times = req.times
+            out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(0, req.num_cached_tokens),
+                                   num_preemptions=req.num_preemptions)
             if not times.first_token:
                 times.first_token = now
+                out.queue_time = times.queue_time
             times.last_token = now
-            out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(0, req.num_cached_tokens))
             if logprobs is not None and logprobs[i]:
                 out.new_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
                                     for e in logprobs[i][:len(new_tokens)]]
