@@ -87,7 +87,9 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=2, help="torch threads of each engine")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine processes behind the server (try 2 with --num-threads 1)")
     p.add_argument("--result-dir", default="results/serving")
     a = p.parse_args()
     result_dir = Path(a.result_dir)
@@ -102,7 +104,8 @@ def main() -> int:
         else:
             serve_args, tokenizer = [], "smollm2-135m-instruct"
         port = free_port()
-        proc = start_server([*serve_args, "--num-threads", str(a.num_threads)], port,
+        proc = start_server([*serve_args, "--num-threads", str(a.num_threads),
+                             "--data-parallel-size", str(a.data_parallel_size)], port,
                             result_dir / f"server-{model}.log")
         try:
             for rate in a.rates:

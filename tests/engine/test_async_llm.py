@@ -134,3 +134,58 @@ def test_engine_death_fails_streams_with_engine_dead_error(tokenizer):
                 pass
 
     _run(tokenizer, body, make_slow_fake_engine)
+
+
+def test_data_parallel_spreads_requests_and_merges_outputs(tokenizer):
+    """Two engine processes: concurrent requests land on both, each output is what one engine
+    alone gives, and stats, aborts and pings cover both engines."""
+    async def body(llm):
+        assert len(llm.client.clients) == 2 and len(set(llm.client.pids)) == 2
+        solo = await _generate(llm, "solo", "Hello world", max_tokens=10, ignore_eos=True,
+                               temperature=0.0)
+        results = await asyncio.gather(*(
+            _generate(llm, f"r{i}", "Hello world", max_tokens=10, ignore_eos=True,
+                      temperature=0.0) for i in range(8)))
+        # one more, aborted midway by leaving the stream
+        stream = llm.generate("Hello world", llm.encode("Hello world"),
+                              SamplingParams(max_tokens=100, ignore_eos=True), "left")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await asyncio.sleep(0.2)  # a stats snapshot after the abort
+        per_engine = [await c.call_utility("get_stats", result_type=type(await llm.get_stats()))
+                      for c in llm.client.clients]
+        return solo, results, per_engine, await llm.get_stats(), await llm.ping(), llm.client.in_flight
+
+    solo, results, per_engine, stats, ping, in_flight = _run(
+        tokenizer, body, factory=make_slow_fake_engine, data_parallel_size=2)
+    assert all(r[1] == solo[1] and r[2] == {0: "length"} for r in results)
+    assert all(s.num_steps > 0 for s in per_engine)  # both engines worked
+    assert stats.num_steps == sum(s.num_steps for s in per_engine)
+    assert stats.num_total_blocks == sum(s.num_total_blocks for s in per_engine)
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0  # the abort freed its blocks
+    assert ping.num_unfinished_requests == 0 and in_flight == [0, 0]
+
+
+def test_data_parallel_engine_death_fails_requests_with_503(tokenizer):
+    """One engine of two dies: the server is dead (503), even for a request on the other."""
+    async def body(llm):
+        gen = llm.generate("Hello world", llm.encode("Hello world"),
+                           SamplingParams(max_tokens=100, ignore_eos=True), "long")
+        await gen.__anext__()
+        assert llm.client.in_flight == [1, 0]  # the request lives on engine 0
+        os.kill(llm.client.pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine 1 of 2"):
+            async for _ in gen:
+                pass
+        return llm.is_dead, llm.dead_reason
+
+    dead, reason = _run(tokenizer, body, factory=make_slow_fake_engine, data_parallel_size=2)
+    assert dead and "SIGKILL" in reason
+
+
+def test_offline_llm_refuses_data_parallel():
+    from llmtower import LLM
+
+    with pytest.raises(ValueError, match="llmtower serve --data-parallel-size"):
+        LLM(model="anything", data_parallel_size=2)

@@ -42,7 +42,8 @@ class EngineArgs:
     dtype: str = _f("float32", "weight and activation dtype: float32 or bfloat16",
                     choices=["float32", "bfloat16", "auto"])
     seed: int = _f(0, "global random seed")
-    num_threads: int = _f(0, "torch CPU threads (0: the number of cores)")
+    num_threads: int = _f(0, "torch CPU threads of each engine (0: the cores, shared out "
+                                 "between data-parallel engines)")
     attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
                                 "'torch' (pure PyTorch) or 'auto' (c where it builds)",
                                 choices=["auto", "c", "torch"])
@@ -63,7 +64,8 @@ class EngineArgs:
     max_num_queued_reqs: int = _f(0, "waiting-queue limit in requests; beyond it: HTTP 429 (0: none)")
     max_num_queued_tokens: int = _f(0, "waiting-queue limit in prompt tokens; beyond it: HTTP 429 (0: none)")
     max_bypass: int = _f(8, "how often a waiting request that does not fit may be overtaken")
-    data_parallel_size: int = _f(1, "number of engine processes, each with its own KV cache")
+    data_parallel_size: int = _f(1, "engine processes behind `llmtower serve`, each with its own "
+                                 "model copy and KV cache of --kv-cache-memory")
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)

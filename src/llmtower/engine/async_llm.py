@@ -24,6 +24,7 @@ from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+from llmtower.engine.dp_client import DPEngineCoreClient
 from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.metrics.prometheus import ServingMetrics
@@ -55,16 +56,19 @@ class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, *, tokenizer: Any = None,
                  engine_factory: EngineFactory = default_engine_factory,
                  request_timeout_s: float | None = None, stats_interval_s: float = 0.5) -> None:
-        if engine_args.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={engine_args.data_parallel_size} is not "
-                             "supported by the server yet: serve with --data-parallel-size 1")
+        if engine_args.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={engine_args.data_parallel_size} is invalid: "
+                             "use 1 (one engine) or more")
         if request_timeout_s is not None and request_timeout_s <= 0:
             raise ValueError(f"request_timeout={request_timeout_s} is invalid: give a number of "
                              "seconds > 0, or leave it out for no timeout")
         self.engine_args = engine_args
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
-        self.client = EngineCoreClient(engine_args, engine_factory, stats_interval_s)
+        self.client: EngineCoreClient | DPEngineCoreClient = (
+            DPEngineCoreClient(engine_args, engine_factory, stats_interval_s)
+            if engine_args.data_parallel_size > 1
+            else EngineCoreClient(engine_args, engine_factory, stats_interval_s))
         self.model_name = engine_args.served_model_name or engine_args.model
         self.metrics = ServingMetrics(self.model_name)
         self.stat_logger = LoggingStatLogger()

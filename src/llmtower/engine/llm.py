@@ -37,6 +37,10 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}: "
                              f"LLM(...) accepts model and the EngineArgs fields: {valid}")
         args = EngineArgs(model=model or DEFAULT_MODEL, **engine_args)
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: the offline LLM runs "
+                             "one engine in this process; for several engine processes use "
+                             "`llmtower serve --data-parallel-size N`")
         from llmtower.models.loader import load_model_config, load_tokenizer, resolve_model_path
 
         path = resolve_model_path(args.model)  # a missing model fails here, before any work
