@@ -88,6 +88,10 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2, help="torch threads of each engine")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "c", "torch"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engine's token budget per step: lower bounds the inter-token "
+                        "latency that a prefill chunk adds, at some throughput")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine processes behind the server (try 2 with --num-threads 1)")
     p.add_argument("--result-dir", default="results/serving")
@@ -105,7 +109,9 @@ def main() -> int:
             serve_args, tokenizer = [], "smollm2-135m-instruct"
         port = free_port()
         proc = start_server([*serve_args, "--num-threads", str(a.num_threads),
-                             "--data-parallel-size", str(a.data_parallel_size)], port,
+                             "--data-parallel-size", str(a.data_parallel_size),
+                             "--attention-backend", a.attention_backend,
+                             "--max-num-batched-tokens", str(a.max_num_batched_tokens)], port,
                             result_dir / f"server-{model}.log")
         try:
             for rate in a.rates:
