@@ -78,7 +78,7 @@ class DecodeBatch:
     """All single-token queries of the step, for the C kernel: flat rows ``0:num_reqs``."""
 
     num_reqs: int
-    block_tables: torch.Tensor  # [num_reqs, max blocks] int64, padded with block 0
+    block_tables: torch.Tensor  # [num_reqs, max blocks] int64; past a request's own blocks: unread
     context_lens: torch.Tensor  # [num_reqs] int64: keys each query attends to
 
 
