@@ -56,6 +56,26 @@ static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, 
     return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* While slot t of a block is computed, ask for slice t of the first PREFETCH_BYTES of the next
+ * block. A fresh pool hands a request consecutive blocks, which the hardware prefetcher
+ * streams through; after churn (a long-running server) a request's blocks are scattered and
+ * the prefetcher stops at every jump. Measured with 64 decodes of 96-320 tokens on randomly
+ * scattered blocks, 2 threads: SmolLM2's 12 KiB blocks 1.66 -> 1.0 ms per layer, W1's 48 KiB
+ * blocks unchanged (prefetching W1's whole next block made it 30% slower); on a fresh pool
+ * (the W1 benchmark) no change either way. */
+enum { PREFETCH_BYTES = 8192 };
+
+static inline __attribute__((always_inline)) void prefetch_next_block(
+        const void *cache, const int64_t *table, int64_t p0, int64_t t, int64_t ctx, int64_t bs,
+        int64_t row, const int BF16) {
+    if (p0 + bs >= ctx) return; /* the last block */
+    const int64_t esz = BF16 ? 2 : 4, size = bs * row * esz;
+    const int64_t bytes = size < PREFETCH_BYTES ? size : PREFETCH_BYTES, slice = (bytes + bs - 1) / bs;
+    const char *next = (const char *)cache + table[p0 / bs + 1] * size;
+    for (int64_t b = t * slice; b < (t + 1) * slice && b < bytes; b += 64)
+        __builtin_prefetch(next + b);
+}
+
 /* Always inlined, so that each call in attend_one with a constant head_dim and dtype gets its
  * own copy whose inner loops the compiler unrolls and vectorizes completely. */
 static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r, float *scores,
@@ -73,6 +93,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
         const int64_t kb = table[p0 / bs] * bs * row; /* element offset of the block */
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) {
+            prefetch_next_block(K, table, p0, t, ctx, bs, row, BF16);
             for (int64_t h = 0; h < H; h++) {
                 const int64_t kh = kb + t * row + (h / G) * D;
                 const float *qh = q + h * D;
@@ -100,6 +121,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
         const int64_t vb = table[p0 / bs] * bs * row;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) {
+            prefetch_next_block(V, table, p0, t, ctx, bs, row, BF16);
             for (int64_t h = 0; h < H; h++) {
                 const int64_t vh = vb + t * row + (h / G) * D;
                 const float w = scores[h * ctx + p0 + t];
