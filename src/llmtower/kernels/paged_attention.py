@@ -78,6 +78,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
-    if rc != 0:
+    if rc == -1:
         raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
+    if rc != 0:
+        raise RuntimeError(f"paged_decode: the kernel refused its inputs (code {rc})")
     return out
