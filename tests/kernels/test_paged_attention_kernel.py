@@ -6,6 +6,8 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmtower.kernels import build
 from llmtower.kernels.paged_attention import paged_decode
@@ -155,3 +157,17 @@ def test_backend_choice(monkeypatch, caplog):
     assert "no C compiler" in caplog.text
     with pytest.raises(RuntimeError, match="no C compiler"):
         resolve_backend("c", torch.float32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv_heads=st.integers(1, 4), group=st.integers(1, 4), head_dim=st.sampled_from([4, 16, 64, 128]),
+       block_size=st.sampled_from([1, 2, 8, 16, 32]), lens=st.lists(st.integers(1, 90), min_size=1, max_size=9),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_kernel_matches_sdpa_on_random_shapes(kv_heads, group, head_dim, block_size, lens, threads, seed):
+    heads = kv_heads * group
+    q, k_cache, v_cache, tables, ctx = case(seed, heads, kv_heads, head_dim, block_size, lens,
+                                            num_blocks=sum(-(-n // block_size) for n in lens) + 3)
+    out = torch.empty(len(lens), heads, head_dim)
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, head_dim ** -0.5, threads)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5),
+                               rtol=1e-5, atol=1e-5)
