@@ -146,6 +146,15 @@ def test_data_parallel_spreads_requests_and_merges_outputs(tokenizer):
         results = await asyncio.gather(*(
             _generate(llm, f"r{i}", "Hello world", max_tokens=10, ignore_eos=True,
                       temperature=0.0) for i in range(8)))
+        # n = 2: the two samples are two engine requests, one on each engine
+        pair = await _generate(llm, "pair", "Hello world", max_tokens=10, ignore_eos=True,
+                               temperature=0.0, n=2)
+        assert pair[1] == {0: solo[1][0], 1: solo[1][0]}
+        # a stop string found in the client aborts the engine request where it lives
+        stop = solo[0][0][len(solo[0][0]) // 2:][:2]
+        cut = await _generate(llm, "cut", "Hello world", max_tokens=10, ignore_eos=True,
+                              temperature=0.0, stop=[stop])
+        assert cut[2] == {0: "stop"}
         # one more, aborted midway by leaving the stream
         stream = llm.generate("Hello world", llm.encode("Hello world"),
                               SamplingParams(max_tokens=100, ignore_eos=True), "left")
