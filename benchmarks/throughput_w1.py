@@ -12,6 +12,7 @@ same number of torch threads. Prints both output-token rates and their ratio.
     .venv/bin/python benchmarks/throughput_w1.py            # W1, both engines
     .venv/bin/python benchmarks/throughput_w1.py --model smollm2-135m-instruct --skip-hf
     .venv/bin/python benchmarks/throughput_w1.py --attention-backend torch --skip-hf
+    .venv/bin/python benchmarks/throughput_w1.py --dtype bfloat16     # both engines in bf16
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations, for both engines (W1 itself is float32)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "c", "torch"],
                    help="llmtower's decode attention: the C kernel or pure PyTorch")
     p.add_argument("--skip-hf", action="store_true", help="run llmtower only")
@@ -81,7 +84,7 @@ def run_llmtower(path, prompts, args) -> dict:
     core = create_engine_core(EngineArgs(
         model=str(path), num_threads=args.threads, kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, seed=args.seed,
-        attention_backend=args.attention_backend))
+        attention_backend=args.attention_backend, dtype=args.dtype))
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     tp.run_engine(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
     core.reset_prefix_cache()
@@ -97,7 +100,7 @@ def run_llmtower(path, prompts, args) -> dict:
 def run_hf(path, prompts, args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).eval()
     gen = model.generation_config
     gen.eos_token_id = None  # ignore_eos
     gen.pad_token_id = 0
@@ -132,8 +135,8 @@ def main() -> None:
                             random_range_ratio=0.0, input_len_range=args.input_len_range)
     prompts = tp.make_prompts(ns, vocab)
     print(f"model {args.model} ({path}), {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
-          f"{args.output_len} output tokens each, {args.threads} threads")
-    results: dict = {"model": args.model, "threads": args.threads}
+          f"{args.output_len} output tokens each, {args.threads} threads, {args.dtype}")
+    results: dict = {"model": args.model, "threads": args.threads, "dtype": args.dtype}
     if not args.skip_llmtower:
         with CpuShare() as share:
             results["llmtower"] = r = run_llmtower(path, prompts, args)
