@@ -18,7 +18,8 @@ request of the same step fills. Then three kinds of work, planned once per step 
     ``index_select`` into a reused buffer small enough to stay in the CPU cache) and one
     ``scaled_dot_product_attention`` call with a length mask serves the group. Under GQA the
     query heads sharing a KV head are laid out as that head's "query rows", so keys are never
-    repeated. On W1 this is ~3x slower than the kernel: the gather is a copy of every block.
+    repeated. On W1 this is 2x (float32) to 6x (bfloat16) slower than the kernel: the gather
+    is a copy of every block.
 - fresh prefills: chunks starting at position 0 attend only to themselves: causal SDPA on the
   new K/V, no gather.
 - prefills with context (later chunks of a chunked prefill, prefix-cache hits, recompute): the
@@ -55,7 +56,7 @@ def resolve_backend(backend: str, dtype: torch.dtype) -> str:
         return "c"
     if backend == "c":
         raise RuntimeError(f"attention_backend='c' but the C kernel is unavailable: {err}")
-    logger.warning("C attention kernel unavailable, using the PyTorch path (about 3x slower "
+    logger.warning("C attention kernel unavailable, using the PyTorch path (2-6x slower "
                    "decode attention): %s", err)
     return "torch"
 
