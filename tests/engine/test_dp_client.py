@@ -13,27 +13,19 @@ def client(n: int = 3) -> DPEngineCoreClient:
     return DPEngineCoreClient(EngineArgs(model="fake", data_parallel_size=n))
 
 
-def take(c: DPEngineCoreClient, rid: str) -> int:
-    """What add_request does before it sends."""
-    i = c._choose()
-    c._owner[rid] = i
-    c.in_flight[i] += 1
-    return i
-
-
 def test_requests_go_to_the_least_loaded_engine_in_turn():
     c = client(3)
-    assert [take(c, f"r{i}") for i in range(6)] == [0, 1, 2, 0, 1, 2]  # ties: in turn
+    assert [c._assign(f"r{i}") for i in range(6)] == [0, 1, 2, 0, 1, 2]  # ties: in turn
     c._release("r1")
     c._release("r4")  # engine 1 is now empty
-    assert take(c, "x") == 1
+    assert c._assign("x") == 1
     assert c.in_flight == [2, 1, 2]
 
 
 def test_aborts_follow_the_request_and_release_it_once():
     c = client(2)
     for rid in ("a", "b", "c"):
-        take(c, rid)
+        c._assign(rid)
     assert c._by_engine(["a", "b", "c", "unknown"]) == {0: ["a", "c"], 1: ["b"]}
     assert c.in_flight == [0, 0]
     assert c._by_engine(["a"]) == {}  # already released: nothing to abort twice

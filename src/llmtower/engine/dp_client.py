@@ -119,20 +119,21 @@ class DPEngineCoreClient:
 
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
-        i = self._choose()
-        self._owner[request.request_id] = i
-        self.in_flight[i] += 1
+        i = self._assign(request.request_id)
         try:
             await self.clients[i].add_request(request)
         except BaseException:
             self._release(request.request_id)
             raise
 
-    def _choose(self) -> int:
+    def _assign(self, request_id: str) -> int:
+        """The engine with the fewest requests in flight, the next in turn among equals."""
         n = len(self.clients)
         order = [(self._next + k) % n for k in range(n)]
         i = min(order, key=lambda e: self.in_flight[e])
         self._next = (i + 1) % n
+        self._owner[request_id] = i
+        self.in_flight[i] += 1
         return i
 
     def _release(self, request_id: str) -> int | None:
