@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llmtower.executor.model_runner import DECODE_GROUP_BYTES
-from llmtower.models.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PagedAttention
+from llmtower.models.attention import AttentionMetadata, PagedAttention, decode_batch, decode_groups
 
 SHAPES = {"W1": (12, 12, 64), "SmolLM2": (9, 3, 64)}
 BLOCK = 16
@@ -25,26 +25,13 @@ BLOCK = 16
 
 def metadata(backend: str, ctx: np.ndarray, table: np.ndarray, kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> AttentionMetadata:
-    """What ModelRunner._plan_decodes builds for these decodes (ctx ascending)."""
-    n = len(ctx)
-    meta = AttentionMetadata(n, torch.zeros(0, dtype=torch.long))
+    """What the model runner plans for these decodes (ctx ascending)."""
+    meta = AttentionMetadata(len(ctx), torch.zeros(0, dtype=torch.long))
     if backend == "c":
-        nb = -(-int(ctx[-1]) // BLOCK)
-        meta.decodes = DecodeBatch(n, torch.from_numpy(table[:, :nb].copy()), torch.from_numpy(ctx))
-        return meta
-    budget = max(BLOCK, DECODE_GROUP_BYTES // (2 * kv_heads * head_dim * dtype.itemsize))
-    padded = -(-ctx // BLOCK) * BLOCK
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and (j + 1 - i) * padded[j] <= budget:
-            j += 1
-        nb = int(padded[j - 1]) // BLOCK
-        mask = np.where(np.arange(nb * BLOCK)[None, :] < ctx[i:j, None], 0.0, -np.inf)
-        meta.decode_groups.append(DecodeGroup(
-            i, j, torch.from_numpy(table[i:j, :nb].reshape(-1).copy()), nb,
-            torch.from_numpy(mask).to(dtype).view(j - i, 1, 1, nb * BLOCK)))
-        i = j
+        meta.decodes = decode_batch(table, ctx, BLOCK)
+    else:
+        budget = max(BLOCK, DECODE_GROUP_BYTES // (2 * kv_heads * head_dim * dtype.itemsize))
+        meta.decode_groups = decode_groups(table, ctx, BLOCK, budget, dtype)
     return meta
 
 

@@ -21,8 +21,8 @@ from llmtower.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOut
 from llmtower.executor.input_batch import InputBatch
 from llmtower.executor.kv_cache import KVCache
 from llmtower.executor.sampler import Sampler
-from llmtower.models.attention import (AttentionMetadata, DecodeBatch, DecodeGroup,
-                                       PagedAttention, PrefillSeq)
+from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
+                                       decode_batch, decode_groups)
 from llmtower.models.llama import LlamaForCausalLM
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
@@ -129,37 +129,15 @@ class ModelRunner:
                           torch.from_numpy(last_row[sample_mask]), sample_mask, rows[sample_mask])
 
     def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
-        """The single-token queries (flat rows 0..len(rows), ascending context length): for the
-        C kernel, their block tables and lengths; for the torch backend, groups whose padded
-        K/V fit the group budget."""
-        m = len(rows)
-        if m == 0:
+        """The single-token queries: flat rows 0..len(rows), ascending context length."""
+        if len(rows) == 0:
             return
-        bs = self.block_size
+        tables = self.batch.block_table[rows]
         if self.attn.backend == "c":
-            nb = -(-int(end[-1]) // bs)  # ascending: the last one is the longest
-            meta.decodes = DecodeBatch(m, torch.from_numpy(self.batch.block_table[rows, :nb]),
-                                       torch.from_numpy(np.ascontiguousarray(end, dtype=np.int64)))
-            return
-        padded = -(-end // bs) * bs  # context rounded up to whole blocks
-        budget = self.decode_group_tokens
-        table = self.batch.block_table
-        i = 0
-        while i < m:
-            j = i + 1
-            # Ascending: a group's padded length is that of its last member.
-            while j < m and (j + 1 - i) * padded[j] <= budget:
-                j += 1
-            nb = int(padded[j - 1]) // bs
-            length = nb * bs
-            # Additive float mask: SDPA would convert a boolean one on every call of every layer.
-            mask = np.where(np.arange(length)[None, :] < end[i:j, None], 0.0, -np.inf)
-            meta.decode_groups.append(DecodeGroup(
-                start=i, stop=j,
-                block_ids=torch.from_numpy(table[rows[i:j], :nb].reshape(-1)),
-                num_blocks=nb,
-                mask=torch.from_numpy(mask).to(self.attn.dtype).view(j - i, 1, 1, length)))
-            i = j
+            meta.decodes = decode_batch(tables, end, self.block_size)
+        else:
+            meta.decode_groups = decode_groups(tables, end, self.block_size,
+                                               self.decode_group_tokens, self.attn.dtype)
 
     def _plan_prefills(self, meta: AttentionMetadata, rows: np.ndarray, num_sched: np.ndarray,
                        first: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:

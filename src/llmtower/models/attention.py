@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,6 +105,38 @@ class AttentionMetadata:
     decodes: DecodeBatch | None = None  # backend "c"
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def decode_batch(tables: np.ndarray, end: np.ndarray, block_size: int) -> DecodeBatch:
+    """The C kernel's plan for decodes with block tables ``tables`` [m, >= blocks] and context
+    lengths ``end`` [m], ascending."""
+    nb = -(-int(end[-1]) // block_size)  # ascending: the last one is the longest
+    return DecodeBatch(len(end), torch.from_numpy(np.ascontiguousarray(tables[:, :nb])),
+                       torch.from_numpy(np.ascontiguousarray(end, dtype=np.int64)))
+
+
+def decode_groups(tables: np.ndarray, end: np.ndarray, block_size: int, budget_tokens: int,
+                  dtype: torch.dtype) -> list[DecodeGroup]:
+    """The torch backend's plan: consecutive decodes (ascending ``end``) cut into groups whose
+    padded K/V stays within ``budget_tokens`` tokens."""
+    m = len(end)
+    padded = -(-end // block_size) * block_size  # context rounded up to whole blocks
+    groups = []
+    i = 0
+    while i < m:
+        j = i + 1
+        # Ascending: a group's padded length is that of its last member.
+        while j < m and (j + 1 - i) * padded[j] <= budget_tokens:
+            j += 1
+        nb = int(padded[j - 1]) // block_size
+        length = nb * block_size
+        # Additive float mask: SDPA would convert a boolean one on every call of every layer.
+        mask = np.where(np.arange(length)[None, :] < end[i:j, None], 0.0, -np.inf)
+        groups.append(DecodeGroup(
+            start=i, stop=j, block_ids=torch.from_numpy(tables[i:j, :nb].reshape(-1)),
+            num_blocks=nb, mask=torch.from_numpy(mask).to(dtype).view(j - i, 1, 1, length)))
+        i = j
+    return groups
 
 
 class PagedAttention:
