@@ -37,13 +37,14 @@ def kernel_error() -> str | None:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-                 scale: float, num_threads: int) -> torch.Tensor:
+                 scale: float, num_threads: int, tables_checked: bool = False) -> torch.Tensor:
     """One query token per request against its paged context.
 
     q [n, H, D] (rows may be strided, heads and dims contiguous); k_cache/v_cache
     [num_blocks, block_size, Hkv, D] contiguous; block_tables [n, >= max blocks] int64
     contiguous; context_lens [n] int64 >= 1; out [n, H, D] contiguous. All of q, the caches
-    and out float32, or all bfloat16.
+    and out float32, or all bfloat16. ``tables_checked``: the caller already passed these
+    tables and lengths through ``check_tables`` for a cache of this many blocks.
     """
     n, h, d = q.shape
     nb, bs, hkv, d2 = k_cache.shape
@@ -68,13 +69,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          "contiguous int64")
     if n == 0:
         return out
-    # The C code trusts every block id and length: one bad index would read outside the cache.
-    max_len = int(context_lens.max())
-    if int(context_lens.min()) < 1 or max_len > block_tables.shape[1] * bs:
-        raise ValueError(f"paged_decode: context lengths must be in 1..{block_tables.shape[1] * bs}")
-    used = block_tables[:, :-(-max_len // bs)]
-    if int(used.min()) < 0 or int(used.max()) >= nb:
-        raise ValueError(f"paged_decode: block ids must be in 0..{nb - 1}")
+    if not tables_checked:
+        check_tables(block_tables, context_lens, nb, bs)
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
@@ -83,3 +79,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if rc != 0:
         raise RuntimeError(f"paged_decode: the kernel refused its inputs (code {rc})")
     return out
+
+
+def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
+                 block_size: int) -> None:
+    """The C code trusts every block id and length: one bad index would read outside the
+    cache. Every length in 1..(table width * block_size), every block it covers in the cache."""
+    max_len = int(context_lens.max())
+    if int(context_lens.min()) < 1 or max_len > block_tables.shape[1] * block_size:
+        raise ValueError("paged_decode: context lengths must be in "
+                         f"1..{block_tables.shape[1] * block_size}")
+    used = block_tables[:, :-(-max_len // block_size)]
+    if int(used.min()) < 0 or int(used.max()) >= num_blocks:
+        raise ValueError(f"paged_decode: block ids must be in 0..{num_blocks - 1}")

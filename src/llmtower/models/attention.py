@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.paged_attention import kernel_error, paged_decode
+from llmtower.kernels.paged_attention import check_tables, kernel_error, paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class DecodeBatch:
     num_reqs: int
     block_tables: torch.Tensor  # [num_reqs, max blocks] int64; past a request's own blocks: unread
     context_lens: torch.Tensor  # [num_reqs] int64: keys each query attends to
+    checked: bool = False  # tables and lengths checked against the cache (once per step)
 
 
 @dataclass
@@ -170,8 +171,12 @@ class PagedAttention:
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         if meta.decodes is not None:
             db, m = meta.decodes, meta.decodes.num_reqs
+            if not db.checked:  # every layer's cache has the same blocks: once per step
+                check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
+                db.checked = True
             paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
-                         out[:m].view(m, self.num_heads, d), self.scale, torch.get_num_threads())
+                         out[:m].view(m, self.num_heads, d), self.scale, torch.get_num_threads(),
+                         tables_checked=True)
         if meta.decode_groups:
             q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:
