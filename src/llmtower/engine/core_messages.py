@@ -33,7 +33,12 @@ class OutputTag:
 
 # The engine methods a client may call by name; anything else is refused, so a utility call
 # can never reach into the engine's internals.
-UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "ping"})
+# One name per line: several features add theirs.
+UTILITY_METHODS = frozenset({
+    "get_stats",
+    "reset_prefix_cache",
+    "ping",
+})
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

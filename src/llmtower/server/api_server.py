@@ -22,6 +22,7 @@ from llmtower.engine.args import EngineArgs
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineDeadError, EngineStartupError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+from llmtower.server.admin import build_admin_router
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
 from llmtower.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from llmtower.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -69,6 +70,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     completions = OpenAIServingCompletion(llm)
     chat = OpenAIServingChat(llm)
+    app.include_router(build_admin_router(llm))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
