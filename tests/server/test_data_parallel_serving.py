@@ -29,8 +29,11 @@ def test_two_engines_serve_like_one(tmp_path_factory, tiny_llama_dir, client):
         pids = re.findall(r"engine core process started \(pid (\d+)\)", server.log())
         assert len(set(pids)) == 2
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert re.search(r'vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} 8\.0',
-                         metrics)
+        # One series per engine (label engine="0" / "1"): both served, together all 8.
+        per_engine = re.findall(r'vllm:request_success_total\{engine="(\d)",'
+                                r'finished_reason="length"[^}]*\} (\S+)', metrics)
+        assert sorted(e for e, _ in per_engine) == ["0", "1"]
+        assert sum(float(v) for _, v in per_engine) == 8
         assert httpx.get(f"{server.base_url}/health").status_code == 200
     finally:
         server.stop()

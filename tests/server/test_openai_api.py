@@ -191,4 +191,5 @@ def test_metrics_use_vllm_names_with_the_model_label(client, tiny_server):
                  "vllm:iteration_tokens_total_bucket", "llmtower:scheduler_step_seconds_bucket",
                  "llmtower:kv_cache_fragmentation_ratio", "llmtower:batch_utilization"):
         assert f'{name}{{' in text and f'model_name="{MODEL}"' in text, name
-    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"}' in text
+    assert ('vllm:request_success_total{engine="0",finished_reason="length",'
+            'model_name="tiny"}') in text

@@ -26,7 +26,8 @@ def _max_tokens(i: int) -> int:
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf'^{re.escape(name)}{{model_name="{MODEL}"}} (\S+)$', text, re.MULTILINE)
+    m = re.search(rf'^{re.escape(name)}{{engine="0",model_name="{MODEL}"}} (\S+)$', text,
+                  re.MULTILINE)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -84,7 +85,7 @@ def test_concurrent_streams_with_disconnects(client, tiny_server):
 
 def _num_aborted(server) -> float:
     text = httpx.get(f"{server.base_url}/metrics").text
-    m = re.search(r'vllm:request_success_total\{finished_reason="abort",'
+    m = re.search(r'vllm:request_success_total\{engine="0",finished_reason="abort",'
                   rf'model_name="{MODEL}"}} (\S+)', text)
     return float(m.group(1)) if m else 0.0
 

@@ -10,10 +10,14 @@ engine turns both into ``EngineCoreOutputs`` for its clients. ``EngineCoreReques
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from llmtower.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -36,6 +40,8 @@ class CachedRequestData:
     ``new_block_ids`` are appended to its block table, except when ``resumed_from_preemption``:
     then they replace it whole (its blocks were freed or swapped and it got new ones), and
     ``new_token_ids`` carries the tokens the executor has not seen (outputs it never sampled).
+    Otherwise a non-empty ``new_token_ids`` holds tokens the scheduler appended after the
+    executor's last sampled one (structured outputs' jump-forward): the executor appends them.
     """
 
     req_id: str
@@ -58,10 +64,27 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The relocator's moves, performed after the swaps, as one gather-then-scatter batch: the
+    # block in ``src`` now lives in ``dst``, so the executor also rewrites ``src`` to ``dst``
+    # in the block tables it holds (before it adds this step's new requests, whose block ids
+    # are already the new ones).
+    blocks_to_move: list[tuple[int, int]] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: one int32 bitmask row (1 bits = allowed tokens) per constrained
+    # request that samples this step, and which row is whose. Applied to the logits before
+    # sampling.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: "np.ndarray | None" = None
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Speculative decoding: the draft tokens scheduled after each request's last token
+    # (counted in its num_scheduled_tokens, 1 + len(drafts)); absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The scheduler's own request objects of this step, by id (the executor ignores it):
+    # ``update_from_output`` drops outputs for ids this step did not schedule, and tells a
+    # request from a new one that reused its id after an abort while the step was in flight.
+    scheduled_requests: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def empty(cls) -> "SchedulerOutput":
@@ -86,6 +109,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[LogprobsEntry]] | None = None
+    # Speculative decoding: accepted drafts + one token in ``sampled_token_ids``; here the
+    # next drafts proposed per request (None: speculation is off).
+    spec_token_ids: list[list[int]] | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -117,6 +143,9 @@ class RequestMetrics(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding: draft tokens verified for this request and how many were accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -167,6 +196,19 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     # for the per-iteration histograms (a snapshot is sent only every ~0.5 s).
     step_num_tokens: list[int] = []
     step_seconds: list[float] = []
+    # Speculative decoding totals (vllm:spec_decode_*): verifications with drafts, draft
+    # tokens, accepted drafts, and accepted drafts by position (index 0: first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
+    # Operator metrics (issue 13): schedule() alone per step since the previous snapshot,
+    # messages received but not yet taken in by the busy loop, free-list fragmentation
+    # (1 - largest free run / free blocks) and blocks registered in the prefix cache.
+    step_schedule_seconds: list[float] = []
+    input_queue_size: int = 0
+    external_fragmentation: float = 0.0
+    num_cached_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -176,3 +218,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     engine_index: int = 0
+    # (request id, why) of requests that failed after admission (a grammar that did not
+    # compile, or not in time): the client answers them as rejected (HTTP 400).
+    request_errors: list[tuple[str, str]] = []

@@ -10,7 +10,6 @@ went away) or a queue timeout aborts the request in the engine at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -18,16 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.outputs import EngineCoreOutputs, SchedulerStats
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
-from llmtower.engine.dp_client import DPEngineCoreClient
+from llmtower.engine.dp_client import DPEngineCoreClient, merge_stats
+from llmtower.engine.input_processor import InputProcessor, load_generation_defaults
+from llmtower.engine.off_loop import OffLoopExecutor
 from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
-from llmtower.metrics.prometheus import ServingMetrics
+from llmtower.metrics.prometheus import RequestParams, ServingMetrics
 from llmtower.metrics.stats_logger import LoggingStatLogger
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,17 @@ class RequestTimeoutError(TimeoutError):
 class _Tracked:
     """What the front end keeps per request in flight, next to the OutputProcessor's state."""
 
-    __slots__ = ("queue", "engine_ids", "num_prompt_tokens", "last_output_time")
+    __slots__ = ("queue", "engine_ids", "num_prompt_tokens", "last_output_time", "params",
+                 "sample_tokens")
 
-    def __init__(self, engine_ids: list[str], num_prompt_tokens: int) -> None:
+    def __init__(self, engine_ids: list[str], num_prompt_tokens: int,
+                 params: RequestParams | None = None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_ids = engine_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.last_output_time = 0.0
+        self.params = params or RequestParams()
+        self.sample_tokens: dict[int, int] = {}  # tokens per sample index (longest: metrics)
 
 
 class AsyncLLM:
@@ -55,7 +61,8 @@ class AsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, *, tokenizer: Any = None,
                  engine_factory: EngineFactory = default_engine_factory,
-                 request_timeout_s: float | None = None, stats_interval_s: float = 0.5) -> None:
+                 request_timeout_s: float | None = None, stats_interval_s: float = 0.5,
+                 chat_template: str | None = None, log_stats: bool = True) -> None:
         if engine_args.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={engine_args.data_parallel_size} is invalid: "
                              "use 1 (one engine) or more")
@@ -69,17 +76,21 @@ class AsyncLLM:
             DPEngineCoreClient(engine_args, engine_factory, stats_interval_s)
             if engine_args.data_parallel_size > 1
             else EngineCoreClient(engine_args, engine_factory, stats_interval_s))
-        self.model_name = engine_args.served_model_name or engine_args.model
-        self.metrics = ServingMetrics(self.model_name)
-        self.stat_logger = LoggingStatLogger()
+        self.served_model_names = engine_args.served_model_names
+        self.model_name = self.served_model_names[0]
+        self.chat_template = chat_template
+        self.metrics = ServingMetrics(self.model_name,
+                                      num_engines=engine_args.data_parallel_size)
+        self._engine_stats: dict[int, SchedulerStats] = {}  # latest snapshot per engine
+        self.stat_logger = LoggingStatLogger(enabled=log_stats)
         self.ready: EngineReady | None = None
         self.output_processor: OutputProcessor | None = None
-        self.eos_token_id: int | None = None
-        self.extra_eos_token_ids: list[int] = []
-        self.vocab_size = 0
+        self.input_processor: InputProcessor | None = None
         self._requests: dict[str, _Tracked] = {}
         self._engine_to_request: dict[str, str] = {}
         self._handler: asyncio.Task | None = None
+        # Tokenizing and chat rendering run here, never on the event loop (issue 11).
+        self.off_loop = OffLoopExecutor()
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -103,16 +114,19 @@ class AsyncLLM:
             tokenizer = await tokenizer_task
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        eos_ids = list(self.ready.eos_token_ids)
-        # As the offline LLM: the engine stops on one EOS id, the model's other EOS ids
-        # become stop token ids of each request.
-        self.eos_token_id = tok_eos if tok_eos is not None else (eos_ids[0] if eos_ids else None)
-        self.extra_eos_token_ids = [t for t in eos_ids if t != self.eos_token_id]
-        # Prompt ids index the model's embedding: the model's vocabulary bounds them (the
-        # tokenizer's may be larger, e.g. a shared tokenizer over a smaller model).
-        self.vocab_size = self.ready.vocab_size or len(tokenizer)
+        defaults = load_generation_defaults(self.engine_args.generation_config,
+                                            Path(self.ready.model_path))
+        self.input_processor = InputProcessor(
+            tokenizer, max_model_len=self.ready.max_model_len, vocab_size=self.ready.vocab_size,
+            eos_token_ids=self.ready.eos_token_ids, chat_template=self.chat_template,
+            default_sampling=defaults)
         self._handler = asyncio.create_task(self._output_handler())
+        args = self.engine_args
+        self.metrics.record_cache_config({
+            "block_size": self.ready.block_size,
+            "num_gpu_blocks": self.ready.num_gpu_blocks // args.data_parallel_size,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "swap_space": args.swap_space, "cache_dtype": args.dtype})
         logger.info("serving %s: max_model_len=%d, %d KV blocks of %d tokens",
                     self.model_name, self.max_model_len, self.ready.num_gpu_blocks,
                     self.ready.block_size)
@@ -132,12 +146,23 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._handler is not None:
             self._handler.cancel()
+        self.off_loop.shutdown()
         self.client.shutdown()
 
     @property
     def max_model_len(self) -> int:
         assert self.ready is not None, "start() the AsyncLLM first"
         return self.ready.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.input_processor is not None, "start() the AsyncLLM first"
+        return self.input_processor.vocab_size
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Client requests sent and not yet finished (GET /load)."""
+        return self.output_processor.get_num_unfinished_requests() if self.output_processor else 0
 
     @property
     def is_dead(self) -> bool:
@@ -148,48 +173,44 @@ class AsyncLLM:
         return self.client.dead_reason
 
     # ------------------------------------------------------------------ prompts
+    # Tokenizing, rendering and checking are the InputProcessor's, shared with the offline LLM.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        assert self.input_processor is not None, "start() the AsyncLLM first"
+        return self.input_processor.encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert self.input_processor is not None, "start() the AsyncLLM first"
+        return self.input_processor.decode(token_ids, skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> tuple[str, list[int]]:
-        """The conversation through the model's chat template: its text and token ids."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: use /v1/completions "
-                             "with a plain prompt")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **template_kwargs)
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
-            raise ValueError(f"the chat template rejected the messages: {e}") from e
-        # The template already holds any BOS token: do not add special tokens twice.
-        return text, self.encode(text, add_special_tokens=False)
+        """The conversation through the chat template (``chat_template=`` in the kwargs, else
+        --chat-template, else the tokenizer's): its text and token ids. The render is bounded
+        in time (template_limits)."""
+        assert self.input_processor is not None, "start() the AsyncLLM first"
+        return self.input_processor.render_chat(messages, add_generation_prompt,
+                                                **template_kwargs)
 
-    def check_prompt(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Raise ValueError / AdmissionError (HTTP 400) for a prompt the engine could not run,
-        saying the lengths involved."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token of text")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary "
-                             f"(0..{self.vocab_size - 1})")
-        limit = self.max_model_len
-        if n >= limit:
-            raise AdmissionError(
-                f"the prompt has {n} tokens but this model's context length (max_model_len) is "
-                f"{limit} tokens, and at least one token must be generated: shorten the prompt")
-        asked = sampling_params.max_tokens
-        if asked is not None and n + asked > limit:
-            raise AdmissionError(
-                f"the prompt has {n} tokens and max_tokens is {asked}, {n + asked} in all, but "
-                f"this model's context length (max_model_len) is {limit} tokens: lower "
-                f"max_tokens to at most {limit - n} or shorten the prompt")
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` on a worker thread: a long prompt does not stall the event loop."""
+        return await self.off_loop.run(self.encode, text, add_special_tokens)
+
+    async def render_chat_async(self, messages: list[dict[str, Any]],
+                                add_generation_prompt: bool = True,
+                                **template_kwargs: Any) -> tuple[str, list[int]]:
+        """``render_chat`` (template and tokenizer) on a worker thread."""
+        return await self.off_loop.run(self.render_chat, messages, add_generation_prompt,
+                                       **template_kwargs)
+
+    def check_prompt(self, prompt_token_ids: list[int],
+                     sampling_params: SamplingParams | None = None) -> list[int]:
+        """The prompt the engine will run (truncated if ``truncate_prompt_tokens`` asks);
+        raises ValueError / AdmissionError (HTTP 400) for one it could not run. Only the
+        prompt is judged: a long max_tokens is clamped by the scheduler, not refused (one rule
+        with the offline LLM, see InputProcessor)."""
+        assert self.input_processor is not None, "start() the AsyncLLM first"
+        return self.input_processor.process_prompt(prompt_token_ids,
+                                                   sampling_params or SamplingParams())
 
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
@@ -202,14 +223,17 @@ class AsyncLLM:
         if self.client.is_dead:
             raise EngineDeadError(self.client.dead_reason)
         assert self.output_processor is not None, "start() the AsyncLLM first"
-        self.check_prompt(prompt_token_ids, sampling_params)
+        prompt_token_ids = self.check_prompt(prompt_token_ids, sampling_params)
         arrival = time.monotonic()
-        params = self._with_extra_eos(sampling_params)
+        assert self.input_processor is not None
+        params = self.input_processor.with_extra_eos(sampling_params)
         engine_reqs = self.output_processor.add_request(
             request_id, prompt, list(prompt_token_ids), params,
-            output_kind=RequestOutputKind.DELTA, eos_token_id=self.eos_token_id,
+            output_kind=RequestOutputKind.DELTA, eos_token_id=self.input_processor.eos_token_id,
             arrival_time=arrival, priority=priority, cache_salt=cache_salt)
-        tracked = _Tracked([r.request_id for r in engine_reqs], len(prompt_token_ids))
+        tracked = _Tracked([r.request_id for r in engine_reqs], len(prompt_token_ids),
+                           RequestParams(n=sampling_params.n,
+                                         max_tokens=sampling_params.max_tokens))
         self._requests[request_id] = tracked
         for eid in tracked.engine_ids:
             self._engine_to_request[eid] = request_id
@@ -243,21 +267,21 @@ class AsyncLLM:
             if not finished:
                 self._abort(request_id)
 
-    def _with_extra_eos(self, sp: SamplingParams) -> SamplingParams:
-        extra = [t for t in self.extra_eos_token_ids if t not in sp.stop_token_ids]
-        if not extra or sp.ignore_eos:
-            return sp
-        return dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + extra)
-
     def _abort(self, request_id: str, count: bool = True) -> None:
         """Forget a request here and free its KV blocks in the engine, without awaiting."""
         assert self.output_processor is not None
         engine_ids = self.output_processor.abort_requests([request_id])
         if engine_ids:
             if count:
+                engine = self._engine_of(engine_ids[0])
                 for _ in engine_ids:  # per sample, like "stop" and "length"
-                    self.metrics.record_finished("abort")
+                    self.metrics.record_finished("abort", engine)
             self.client.abort_requests_nowait(engine_ids)
+
+    def _engine_of(self, engine_request_id: str) -> int:
+        """The data-parallel engine serving a request (0 with one engine)."""
+        engine_of = getattr(self.client, "engine_of", None)
+        return (engine_of(engine_request_id) or 0) if engine_of is not None else 0
 
     def _forget(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -289,9 +313,16 @@ class AsyncLLM:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         assert self.output_processor is not None
         metrics = self.metrics
+        for rid, why in outputs.request_errors:  # failed after admission (a grammar): a 400
+            self._on_request_error(RequestError(rid, "invalid", why))
+        engine = outputs.engine_index
         if outputs.scheduler_stats is not None:
-            metrics.record_scheduler_stats(outputs.scheduler_stats)
-            self.stat_logger.maybe_log(outputs.scheduler_stats)
+            # Each engine's own snapshot feeds its engine="i" series; the log line sums them.
+            stats = outputs.scheduler_stats
+            metrics.record_scheduler_stats(stats, engine)
+            self._engine_stats[engine] = stats
+            self.stat_logger.maybe_log(stats if len(self._engine_stats) == 1 else
+                                       merge_stats(list(self._engine_stats.values()), stats))
         if not outputs.outputs:
             return
         processed = self.output_processor.process_outputs(outputs)
@@ -303,20 +334,25 @@ class AsyncLLM:
             if tracked is None:
                 continue
             num_new = sum(len(c.token_ids) for c in ro.outputs)
-            metrics.record_generation_tokens(num_new)
+            metrics.record_generation_tokens(num_new, engine)
+            for c in ro.outputs:
+                tracked.sample_tokens[c.index] = tracked.sample_tokens.get(c.index, 0) + len(
+                    c.token_ids)
             num_prompt = 0
             if tracked.last_output_time:
-                metrics.record_inter_token_latency(now - tracked.last_output_time)
+                metrics.record_inter_token_latency(now - tracked.last_output_time, engine)
             else:
                 num_prompt = tracked.num_prompt_tokens
-                metrics.record_prompt_tokens(num_prompt)
+                metrics.record_prompt_tokens(num_prompt, engine)
             self.stat_logger.record_tokens(num_prompt, num_new)
             tracked.last_output_time = now
             for c in ro.outputs:
                 if c.finish_reason is not None:
-                    metrics.record_finished(c.finish_reason)
+                    metrics.record_finished(c.finish_reason, engine)
             if ro.finished and ro.metrics is not None:
-                metrics.record_request_timings(ro.metrics)
+                tracked.params.max_num_generation_tokens = max(tracked.sample_tokens.values(),
+                                                               default=0)
+                metrics.record_request_timings(ro.metrics, engine, tracked.params)
             tracked.queue.put_nowait(ro)
 
     def _on_request_error(self, err: RequestError) -> None:
@@ -347,3 +383,23 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self, timeout_s: float = 5.0) -> None:
         await self.client.call_utility("reset_prefix_cache", timeout_s=timeout_s)
+
+    @property
+    def num_engines(self) -> int:
+        return self.engine_args.data_parallel_size
+
+    async def kv_cache_snapshots(self, engine_id: int | None = None,
+                                 timeout_s: float = 10.0) -> list[KVCacheSnapshot]:
+        """The KV cache of engine ``engine_id`` (every engine when None), one snapshot each,
+        taken between two steps. Raises ValueError for an engine that does not exist."""
+        clients = getattr(self.client, "clients", None) or [self.client]
+        if engine_id is not None and not 0 <= engine_id < len(clients):
+            raise ValueError(f"engine_id={engine_id} does not exist: this server runs "
+                             f"{len(clients)} engine(s), 0..{len(clients) - 1}")
+        indices = list(range(len(clients))) if engine_id is None else [engine_id]
+        snapshots = await asyncio.gather(*(
+            clients[i].call_utility("kv_cache_snapshot", result_type=KVCacheSnapshot,
+                                    timeout_s=timeout_s) for i in indices))
+        for i, snap in zip(indices, snapshots):
+            snap.engine_index = i  # an engine does not know its data-parallel index
+        return list(snapshots)

@@ -6,20 +6,27 @@ from __future__ import annotations
 
 import time
 
+from llmtower.core.kv_cache.relocator import DefragResult
+from llmtower.core.kv_cache.snapshot import KVCacheSnapshot, take_kv_cache_snapshot
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.core.request import Request
 from llmtower.core.sched.scheduler import Scheduler
+from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.base import Executor
 
 
 class EngineCore:
     """Owns the scheduler and the executor; ``step()`` is schedule → execute → update."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 model_info: ModelInfo | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # The loaded model's facts (None for test and simulated executors without a model).
+        self.model_info = model_info
         self.last_step_seconds = 0.0
         self.last_step_num_tokens = 0  # scheduled tokens of the last step (for metrics)
+        self.last_schedule_seconds = 0.0  # schedule() alone, of the last step
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises AdmissionError / QueueFullError / ValueError; the request is then not queued."""
@@ -39,12 +46,17 @@ class EngineCore:
             return EngineCoreOutputs()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        # The scheduling decision alone (llmtower:scheduler_step_delay_seconds).
+        self.last_schedule_seconds = time.perf_counter() - t0
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.total_num_scheduled_tokens == 0 and not (
                 scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
-            return EngineCoreOutputs(timestamp=time.monotonic())
+            return EngineCoreOutputs(timestamp=time.monotonic(),
+                                     request_errors=self.scheduler.take_request_errors())
         model_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        # Requests that failed after admission (a grammar that did not compile in time).
+        outputs.request_errors = self.scheduler.take_request_errors()
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
 
@@ -53,6 +65,18 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
+
+    def defragment(self) -> DefragResult:
+        """A full KV defragmentation between two steps: the scheduler relabels its blocks, the
+        executor moves their K/V and remaps its block tables before the next forward pass."""
+        moves, result = self.scheduler.defragment()
+        if moves:
+            self.executor.apply_block_moves(moves)  # type: ignore[attr-defined]
+        return result
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every KV block's state, the block tables and fragmentation (operator tools)."""
+        return take_kv_cache_snapshot(self.scheduler)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

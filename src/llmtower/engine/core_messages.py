@@ -38,6 +38,8 @@ UTILITY_METHODS = frozenset({
     "get_stats",
     "reset_prefix_cache",
     "ping",
+    "kv_cache_snapshot",
+    "defragment",
 })
 
 

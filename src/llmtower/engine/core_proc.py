@@ -64,6 +64,7 @@ class EngineCoreProc:
         # Per-step figures since the last stats snapshot (for the per-iteration histograms).
         self._step_num_tokens: list[int] = []
         self._step_seconds: list[float] = []
+        self._step_schedule_seconds: list[float] = []  # schedule() alone, every step
         self._stats_dirty = False
         self._last_stats_time = 0.0
 
@@ -148,7 +149,7 @@ class EngineCoreProc:
             now = time.monotonic()
             if now - self._last_stats_time >= self.stats_interval_s:
                 outputs.scheduler_stats = self._take_stats(now)
-            if outputs.outputs or outputs.scheduler_stats is not None:
+            if outputs.outputs or outputs.scheduler_stats is not None or outputs.request_errors:
                 if not outputs.timestamp:
                     outputs.timestamp = now
                 self.output_queue.put((OutputTag.OUTPUTS, outputs))
@@ -214,6 +215,7 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ stats
     def _record_step(self, seconds: float) -> None:
         self._stats_dirty = True
+        self._step_schedule_seconds.append(self.engine_core.last_schedule_seconds)
         num_tokens = _last_step_num_tokens(self.engine_core)
         if num_tokens:  # a step that scheduled nothing ran no forward pass
             self._step_seconds.append(seconds)
@@ -223,6 +225,9 @@ class EngineCoreProc:
         stats = self.engine_core.get_stats()
         stats.step_num_tokens, self._step_num_tokens = self._step_num_tokens, []
         stats.step_seconds, self._step_seconds = self._step_seconds, []
+        stats.step_schedule_seconds, self._step_schedule_seconds = self._step_schedule_seconds, []
+        # Requests (and other messages) received but not yet taken in by the busy loop.
+        stats.input_queue_size = self.input_queue.qsize()
         self._last_stats_time = now
         self._stats_dirty = False
         return stats
@@ -291,25 +296,22 @@ class EngineCoreProc:
 
 def _handshake(engine_core: EngineCore, engine_args: EngineArgs) -> EngineReady:
     sched = engine_core.scheduler
-    max_model_len = getattr(engine_core, "max_model_len", None) or sched.config.max_model_len
-    model_config = getattr(engine_core, "model_config", None)
-    eos = (getattr(engine_core, "eos_token_ids", None)
-           or getattr(model_config, "eos_token_ids", None) or [])
+    info = engine_core.model_info  # None for engines without a real model (tests)
     return EngineReady(
         pid=os.getpid(),
-        model_name=engine_args.served_model_name or engine_args.model,
-        model_path=str(getattr(engine_core, "model_path", "") or engine_args.model),
-        max_model_len=int(max_model_len),
+        model_name=engine_args.served_model_names[0],
+        model_path=str(info.model_path if info else engine_args.model),
+        max_model_len=int(info.max_model_len if info else sched.config.max_model_len),
         num_gpu_blocks=sched.cache_config.num_blocks,
         block_size=sched.cache_config.block_size,
         max_num_seqs=sched.config.max_num_seqs,
         max_num_batched_tokens=sched.config.max_num_batched_tokens,
-        eos_token_ids=[int(t) for t in eos],
-        vocab_size=int(getattr(model_config, "vocab_size", 0) or 0))
+        eos_token_ids=[int(t) for t in info.eos_token_ids] if info else [],
+        vocab_size=info.vocab_size if info else 0)
 
 
 def _last_step_num_tokens(engine_core: EngineCore) -> int:
-    return int(getattr(engine_core, "last_step_num_tokens", 0))
+    return engine_core.last_step_num_tokens
 
 
 def _num_unfinished(engine_core: EngineCore) -> int:

@@ -10,10 +10,10 @@
 
 Each request goes to the engine with the fewest requests in flight (ties: the next one in
 turn) and stays there: its aborts follow it, its outputs come back from it. The engines'
-output streams are merged into one, each batch tagged with its ``engine_index``; their stats
-snapshots are merged into one snapshot of the whole server (sums of queues, blocks and
-counters; KV usage over all blocks). One engine dying makes the server dead, as with one
-engine: clients get 503 and the operator restarts it.
+output streams are merged into one, each batch tagged with its ``engine_index`` (stats
+snapshots too: the metrics keep one series per engine); ``merge_stats`` sums snapshots into
+one of the whole server (queues, blocks and counters; KV usage over all blocks). One engine
+dying makes the server dead, as with one engine: clients get 503 and the operator restarts it.
 """
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ def merge_stats(snapshots: list[SchedulerStats], latest: SchedulerStats) -> Sche
         "num_running_reqs", "num_waiting_reqs", "num_swapped_reqs", "num_free_blocks",
         "num_total_blocks", "num_free_cpu_blocks", "prefix_cache_queries", "prefix_cache_hits",
         "num_evictions", "num_preemptions_total", "num_swap_outs_total", "num_swap_ins_total",
-        "num_rejected_total", "num_steps")}
+        "num_rejected_total", "num_steps", "input_queue_size", "num_cached_blocks")}
     return msgspec.structs.replace(
         latest, **summed,
         kv_cache_usage=(total - free) / total if total else 0.0,
-        fragmentation=sum(s.fragmentation for s in snapshots) / len(snapshots))
+        fragmentation=sum(s.fragmentation for s in snapshots) / len(snapshots),
+        external_fragmentation=sum(s.external_fragmentation for s in snapshots) / len(snapshots))
 
 
 class DPEngineCoreClient:
@@ -136,6 +137,10 @@ class DPEngineCoreClient:
         self.in_flight[i] += 1
         return i
 
+    def engine_of(self, request_id: str) -> int | None:
+        """The engine a request in flight was sent to (None once it is released)."""
+        return self._owner.get(request_id)
+
     def _release(self, request_id: str) -> int | None:
         i = self._owner.pop(request_id, None)
         if i is not None:
@@ -195,8 +200,9 @@ class DPEngineCoreClient:
                     if out.finish_reason is not None:
                         self._release(out.request_id)
                 if item.scheduler_stats is not None:
+                    # Passed on as the engine's own snapshot (tagged by engine_index): the
+                    # metrics keep one series per engine; merge_stats() sums them.
                     self._stats[i] = item.scheduler_stats
-                    item.scheduler_stats = merge_stats(self._stats, item.scheduler_stats)
             self._outputs.put_nowait(item)
 
     # ------------------------------------------------------------------ death and shutdown

@@ -11,14 +11,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import DEFAULT_MODEL, EngineArgs
+from llmtower.engine.input_processor import (Conversation, InputProcessor, PromptItem,
+                                             load_generation_defaults)
 from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
-
-Conversation = list[dict[str, Any]]
-# A prompt after tokenization: its text (None if given as token ids) and its token ids.
-PromptItem = tuple[str | None, list[int]]
 
 
 class LLM:
@@ -41,20 +40,19 @@ class LLM:
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: the offline LLM runs "
                              "one engine in this process; for several engine processes use "
                              "`llmtower serve --data-parallel-size N`")
-        from llmtower.models.loader import load_model_config, load_tokenizer, resolve_model_path
+        from llmtower.models.loader import load_tokenizer, resolve_model_path
 
         path = resolve_model_path(args.model)  # a missing model fails here, before any work
+        defaults = load_generation_defaults(args.generation_config, path)
         from llmtower.engine.factory import create_engine_core  # builds the model: slow import
 
         engine_core = create_engine_core(args)
-        tokenizer = getattr(engine_core, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer
-                                       else path)
-        model_config = getattr(engine_core, "model_config", None)
-        if model_config is None:
-            model_config = load_model_config(path)
-        self._setup(engine_core, tokenizer, model_config.eos_token_ids, model_config.vocab_size)
+        info = engine_core.model_info
+        assert info is not None  # create_engine_core always loads a model
+        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer else path)
+        self._setup(engine_core, InputProcessor(
+            tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids, default_sampling=defaults))
 
     @classmethod
     def from_engine_core(cls, engine_core: Any, tokenizer: Any,
@@ -62,23 +60,19 @@ class LLM:
         """An ``LLM`` over an engine core built elsewhere (tests, benchmarks, other executors).
         ``eos_token_ids`` default to the tokenizer's EOS token."""
         llm = cls.__new__(cls)
-        llm._setup(engine_core, tokenizer, list(eos_token_ids or []))
+        info = getattr(engine_core, "model_info", None)
+        max_model_len = (info.max_model_len if info is not None
+                         else engine_core.scheduler.config.max_model_len)
+        llm._setup(engine_core, InputProcessor(
+            tokenizer, max_model_len=max_model_len, vocab_size=info.vocab_size if info else 0,
+            eos_token_ids=list(eos_token_ids or [])))
         return llm
 
-    def _setup(self, engine_core: Any, tokenizer: Any, eos_token_ids: Sequence[int],
-               vocab_size: int | None = None) -> None:
+    def _setup(self, engine_core: Any, input_processor: InputProcessor) -> None:
         self.engine_core = engine_core
-        self.tokenizer = tokenizer
-        self.output_processor = OutputProcessor(tokenizer)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        # The engine stops on one EOS id; other EOS ids of the model (generation_config may
-        # list several) become stop token ids of each request.
-        self.eos_token_id: int | None = tok_eos if tok_eos is not None else (
-            eos_token_ids[0] if eos_token_ids else None)
-        self.extra_eos_token_ids = [t for t in eos_token_ids if t != self.eos_token_id]
-        # Prompt token ids must index the model's embedding table.
-        self.vocab_size = vocab_size or (len(tokenizer) if hasattr(tokenizer, "__len__")
-                                         else tokenizer.get_vocab_size())
+        self.input_processor = input_processor
+        self.tokenizer = input_processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self._busy = False
 
@@ -128,19 +122,13 @@ class LLM:
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> PromptItem:
         """A conversation as prompt text and token ids, through the chat template."""
-        if not isinstance(conversation, list) or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-            raise ValueError("a conversation must be a list of messages like "
-                             "{'role': 'user', 'content': 'Hello'}; got "
-                             f"{str(conversation)[:200]}")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: pass chat_template=... "
-                             "or use generate() with a plain prompt")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
-        # The template already holds any BOS token: do not add special tokens twice.
-        return text, self._encode(text, add_special_tokens=False)
+        return self.input_processor.render_chat(conversation, add_generation_prompt,
+                                                chat_template)
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """What the KV cache holds now: every block's state, the block tables, fragmentation
+        and the prefix cache (``llmtower diag memory`` draws it; see docs/operations.md)."""
+        return self.engine_core.kv_cache_snapshot()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -152,10 +140,6 @@ class LLM:
         self.shutdown()
 
     # ------------------------------------------------------------------ internals
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-
     def _tokenize_prompts(self, prompts: Any) -> list[PromptItem]:
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -168,19 +152,13 @@ class LLM:
         items: list[PromptItem] = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                ids = self._encode(p)
+                ids = self.input_processor.encode(p)
                 text: str | None = p
             elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
                 ids, text = list(p), None
-                bad = [t for t in ids if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise ValueError(f"prompt {i} has token id(s) {bad[:5]} outside the "
-                                     f"vocabulary (0..{self.vocab_size - 1})")
             else:
                 raise ValueError(f"prompt {i} is a {type(p).__name__}: each prompt must be a "
                                  "string or a list of token ids")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: give at least one token of text")
             items.append((text, ids))
         return items
 
@@ -194,13 +172,17 @@ class LLM:
         """Send every request to the engine, or none: on an error, everything added so far
         is aborted again and the error is raised with its message intact."""
         request_ids: list[str] = []
+        ip = self.input_processor
+        # All truncated and checked before any is sent.
+        items = [(text if len(ids2) == len(ids) else None, ids2) for i, ((text, ids), sp) in
+                 enumerate(zip(items, params)) for ids2 in [ip.process_prompt(ids, sp, i)]]
         try:
             for (text, ids), sp, prio in zip(items, params, priorities):
                 rid = str(next(self._counter))
                 request_ids.append(rid)
-                sp = self._with_extra_eos(sp)
+                sp = ip.with_extra_eos(sp)
                 for req in self.output_processor.add_request(
-                        rid, text, ids, sp, output_kind=kind, eos_token_id=self.eos_token_id,
+                        rid, text, ids, sp, output_kind=kind, eos_token_id=ip.eos_token_id,
                         priority=prio):
                     self.engine_core.add_request(req)
         except BaseException:
@@ -208,17 +190,14 @@ class LLM:
             raise
         return request_ids
 
-    def _with_extra_eos(self, sp: SamplingParams) -> SamplingParams:
-        extra = [t for t in self.extra_eos_token_ids if t not in sp.stop_token_ids]
-        if not extra or sp.ignore_eos:
-            return sp
-        return dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + extra)
-
     def _step(self) -> list[RequestOutput]:
         if not self.engine_core.has_unfinished_requests():
             raise RuntimeError("the engine has no requests left but some never finished: "
                                f"{list(self.output_processor.parents)[:5]}")
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        outputs = self.engine_core.step()
+        if outputs.request_errors:  # failed after admission (a grammar): raise like at add
+            raise ValueError(outputs.request_errors[0][1])
+        processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -231,7 +210,8 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None) -> list[RequestOutput]:
         self._check_idle()
-        params = _per_prompt(sampling_params, len(items), "sampling_params", SamplingParams())
+        params = _per_prompt(sampling_params, len(items), "sampling_params",
+                             self.input_processor.default_sampling_params())
         priorities = _per_prompt(priority, len(items), "priority", 0)
         for sp in params:
             if not isinstance(sp, SamplingParams):
@@ -267,7 +247,8 @@ class LLM:
         # A generator: the request is added at the first next(), so an iterator that is
         # dropped before it starts leaves nothing behind in the engine.
         self._check_idle()
-        self._add([item], [sampling_params or SamplingParams()], [priority],
+        self._add([item], [sampling_params or self.input_processor.default_sampling_params()],
+                  [priority],
                   RequestOutputKind.DELTA)
         self._busy = True
         try:

@@ -13,8 +13,9 @@ logger = logging.getLogger("llmtower.stats")
 class LoggingStatLogger:
     """Owns the token counts since the last log line and when that line was written."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, enabled: bool = True) -> None:
         self.interval_s = interval_s
+        self.enabled = enabled  # --disable-log-stats turns the line off
         self._last_time = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -26,7 +27,7 @@ class LoggingStatLogger:
     def maybe_log(self, stats: SchedulerStats | None) -> None:
         now = time.monotonic()
         elapsed = now - self._last_time
-        if elapsed < self.interval_s or stats is None:
+        if elapsed < self.interval_s or stats is None or not self.enabled:
             return
         if self._prompt_tokens or self._generation_tokens or stats.num_running_reqs:
             logger.info(

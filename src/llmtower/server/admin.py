@@ -10,9 +10,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from llmtower.engine.async_llm import AsyncLLM
+from llmtower.server.admin_kv_cache import add_kv_cache_route
 
 
 def build_admin_router(llm: AsyncLLM) -> APIRouter:
     """The ``/v1/admin`` routes over one started ``AsyncLLM``."""
     router = APIRouter(prefix="/v1/admin")
+    add_kv_cache_route(router, llm)  # GET /v1/admin/kv_cache (issue 13)
     return router

@@ -22,6 +22,8 @@ from llmtower.engine.args import EngineArgs
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineDeadError, EngineStartupError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+from llmtower.metrics.http import HTTPMetricsMiddleware
+from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
 from llmtower.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -29,6 +31,8 @@ from llmtower.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
 from llmtower.server.serving_chat import OpenAIServingChat
 from llmtower.server.serving_completions import OpenAIServingCompletion
+from llmtower.server.serving_probes import build_probe_router
+from llmtower.server.serving_responses import build_responses_router
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,15 @@ class ServerSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # several keys: any of them is accepted
     request_timeout: float | None = None
     max_request_body_bytes: int = 10 * 2**20
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: log_level
+    chat_template: str | None = None  # --chat-template, already read from its file
+    enable_log_requests: bool = False  # the access log
+    max_log_len: int = 0  # prompt characters in the access log (0: none)
+    log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -60,7 +69,8 @@ class ServerSettings:
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over a started ``AsyncLLM``."""
-    app = FastAPI(title="llmtower", version=llmtower.__version__, docs_url=None,
+    # /docs: FastAPI's OpenAPI page over the request models (no key needed to read it).
+    app = FastAPI(title="llmtower", version=llmtower.__version__, docs_url="/docs",
                   redoc_url=None)
     app.state.llm = llm
     install_exception_handlers(app)
@@ -68,9 +78,15 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    # Outermost: refused requests (401, 413) are counted and timed too.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=llm.metrics.http)
+    if settings.enable_log_requests:
+        app.add_middleware(AccessLogMiddleware, max_log_len=settings.max_log_len)
     completions = OpenAIServingCompletion(llm)
     chat = OpenAIServingChat(llm)
     app.include_router(build_admin_router(llm))
+    app.include_router(build_responses_router(chat))
+    app.include_router(build_probe_router(llm))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -83,9 +99,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         ready = llm.ready
-        return ModelList(data=[ModelCard(id=llm.model_name,
+        return ModelList(data=[ModelCard(id=name,
                                          root=ready.model_path if ready else None,
-                                         max_model_len=llm.max_model_len)])
+                                         max_model_len=llm.max_model_len)
+                               for name in llm.served_model_names])
 
     @app.get("/health")
     async def health() -> Response:
@@ -146,7 +163,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     # Bind before the engine loads the model: a busy port fails in a second, not a minute.
     sock = bind_socket(settings.host, settings.port)
     llm = AsyncLLM(engine_args, engine_factory=engine_factory,
-                   request_timeout_s=settings.request_timeout)
+                   request_timeout_s=settings.request_timeout,
+                   chat_template=settings.chat_template, log_stats=settings.log_stats)
     try:
         await llm.start()
         app = build_app(llm, settings)
@@ -155,11 +173,15 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         gc.collect()
         gc.freeze()
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                                log_level=settings.log_level, access_log=False,
+                                log_level=settings.uvicorn_log_level or settings.log_level,
+                                access_log=False,
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         logger.info("llmtower serving %s on http://%s:%d", llm.model_name, settings.host,
                     sock.getsockname()[1])
+        if settings.host in ("127.0.0.1", "localhost", "::1"):
+            logger.info("listening on this machine only; to accept other machines (or from "
+                        "outside a container) start with --host 0.0.0.0 (and set --api-key)")
         await server.serve(sockets=[sock])
     finally:
         llm.shutdown()

@@ -40,6 +40,9 @@ class FreeBlockQueue:
         self.head.next_free = self.tail
         self.tail.prev_free = self.head
         self.num_free = 0
+        # One byte per block id, 1 while the block is on the list: the operator tools find
+        # free runs (fragmentation) with C-speed byte scans instead of walking the list.
+        self.free_map = bytearray(len(blocks))
         for b in blocks:
             self.append(b)
 
@@ -49,6 +52,7 @@ class FreeBlockQueue:
         prev.next_free = block
         nxt.prev_free = block  # type: ignore[union-attr]
         self.num_free += 1
+        self.free_map[block.block_id] = 1
 
     def append(self, block: KVCacheBlock) -> None:
         self._link_after(self.tail.prev_free, block)  # type: ignore[arg-type]
@@ -61,6 +65,7 @@ class FreeBlockQueue:
         block.next_free.prev_free = block.prev_free  # type: ignore[union-attr]
         block.prev_free = block.next_free = None
         self.num_free -= 1
+        self.free_map[block.block_id] = 0
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next_free

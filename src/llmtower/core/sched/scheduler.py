@@ -25,23 +25,30 @@ from typing import Callable
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.kv_cache.fragmentation import external_fragmentation
 from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from llmtower.core.kv_cache.relocator import BlockRelocator, DefragResult, Move, written_blocks
 from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
                                    ModelRunnerOutput, NewRequestData, RequestMetrics,
                                    SchedulerOutput, SchedulerStats)
 from llmtower.core.request import Request, RequestStatus
-from llmtower.core.sched.request_queue import make_request_queue
+from llmtower.core.sched.policy import make_policy
+from llmtower.structured_output.manager import StructuredOutputManager
+from llmtower.spec_decode.scheduling import SpecDecodingStats, apply_verification, next_drafts
 
 # Waiting requests skipped in one step before the scan stops: keeps a step O(1) in the
 # queue length even when thousands wait behind a full KV cache.
 MAX_SKIPS_PER_STEP = 64
+# With only grammar-waiting requests, schedule() waits this long for a compile to finish.
+GRAMMAR_WAIT_S = 0.01
 
 
 class _Step:
     """Scratch state of one ``schedule()`` call."""
 
     __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
-                 "swap_out", "swap_in", "num_prefill_tokens")
+                 "swap_out", "swap_in", "num_prefill_tokens", "moves", "spec", "cached_from",
+                 "provisional")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -53,6 +60,14 @@ class _Step:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.num_prefill_tokens = 0
+        self.moves: list[tuple[int, int]] = []  # the relocator's block moves
+        self.spec: dict[str, list[int]] = {}  # draft tokens scheduled per request
+        # Prefix caching of blocks this step computes, registered when scheduled so that a
+        # request admitted later in the same step hits them (the runner writes the whole
+        # batch's K/V before anyone attends): each request's first block cached this step,
+        # and the owner of every such block (see _same_step_hits).
+        self.cached_from: dict[str, int] = {}
+        self.provisional: dict[int, Request] = {}
 
 
 class Scheduler:
@@ -60,14 +75,20 @@ class Scheduler:
     from admission to its end."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
         self.kv = KVCacheManager(cache_config)
+        # Block moves: every step under --kv-allocator relocator, and on demand (defragment()).
+        self.relocator = BlockRelocator(self.kv.pool, cache_config.fragmentation_threshold,
+                                        cache_config.max_block_moves_per_step)
         self.requests: dict[str, Request] = {}
-        self.waiting = make_request_queue(scheduler_config.policy,
-                                          scheduler_config.sjf_aging_tokens_per_s)
+        # The policy: the waiting queue's order and the preemption-victim rule.
+        self.policy = make_policy(scheduler_config)
+        self.waiting = self.policy.make_queue()
+        self._num_added = 0  # admission sequence numbers (Request.seq)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the executor
@@ -80,7 +101,15 @@ class Scheduler:
         self.num_swap_ins = 0
         self.num_rejected = 0
         self.num_steps = 0
+        self.spec_stats = SpecDecodingStats()
         self._last = _Step(0)
+        # Structured outputs: the grammar manager, requests whose grammar is still compiling
+        # (outside `waiting`: they block nobody), requests that failed after admission, and
+        # jump-forward tokens the executor has not seen yet.
+        self.structured_output = structured_output
+        self.waiting_for_grammar: dict[str, Request] = {}
+        self._request_errors: list[tuple[str, str]] = []
+        self._forced_token_ids: dict[str, list[int]] = {}
 
     # ================================================================ admission
     def add_request(self, request: Request) -> None:
@@ -90,7 +119,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use; request ids must be unique")
-        if request.priority != 0 and cfg.policy != "priority":
+        if request.priority != 0 and not self.policy.may_displace:
             self.num_rejected += 1
             raise AdmissionError(
                 f"request {rid!r} has priority={request.priority} but the scheduler policy is "
@@ -130,9 +159,18 @@ class Scheduler:
         room = self.max_len - request.num_prompt_tokens
         asked = request.sampling_params.max_tokens
         request.max_tokens = room if asked is None else min(asked, room)
+        grammar_ready = self._start_grammar(request)  # raises ValueError for a bad grammar
         request.status = RequestStatus.WAITING
         request.times.queued = self.clock()
+        self._num_added += 1
+        request.seq = self._num_added
+        request.sort_key = ()
         self.requests[rid] = request
+        self.policy.on_add(request)
+        if not grammar_ready:  # waits outside the queue until its grammar has compiled
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[rid] = request
+            return
         self.waiting.add(request)
 
     def abort_requests(self, request_ids) -> list[str]:
@@ -146,6 +184,8 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.SWAPPED:
                 self.swapped.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                del self.waiting_for_grammar[rid]
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -163,30 +203,42 @@ class Scheduler:
         cfg = self.config
         step = _Step(cfg.max_num_batched_tokens)
         now = self.clock()
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
 
         # --- 1. running requests: decodes and ongoing chunked prefills -------------------
         req_to_blocks = self.kv.req_to_blocks
         bs = self.cache_config.block_size
         scheduled = step.scheduled
+        charge = self.policy.charge  # per-tenant service accounting (None: not needed)
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             computed = req.num_computed_tokens
             num_tokens = len(req.all_token_ids)
             if (num_tokens - computed == 1 and num_tokens > req.num_prompt_tokens
-                    and computed < len(req_to_blocks[req.request_id]) * bs):
+                    and computed < len(req_to_blocks[req.request_id]) * bs
+                    and not req.spec_token_ids):
                 # The common case: a decode whose last block still has a free slot.
                 scheduled[req.request_id] = 1
                 step.budget -= 1
+                if charge is not None:
+                    charge(req, 1)
                 i += 1
                 continue
             n = self._num_new_tokens(req, computed, step)
             if n == 0:
                 i += 1
                 continue
+            if n == 1 and req.spec_token_ids:
+                n = self._with_drafts(req, step)
             new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None and n > 1 and req.spec_token_ids:
+                req.spec_token_ids = []  # drafts never preempt anyone: decode without them
+                n = 1
+                new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:  # out of KV blocks: preempt until it fits or it is the victim
-                victim = max(self.running, key=_victim_key)
+                victim = self.policy.victim(self.running)
                 victim_index = self.running.index(victim)
                 self._preempt(victim, step, now)
                 self.waiting_add_preempted(victim)
@@ -221,6 +273,12 @@ class Scheduler:
         if not step.preempted and not self.swapped:
             self._admit_waiting(step, now)
 
+        # --- 4. block moves (relocator): never in a step that swaps, never a written block
+        if (self.cache_config.kv_allocator == "relocator" and step.scheduled
+                and not (step.swap_out or step.swap_in)):
+            step.moves = self.relocator.plan_step(
+                self.kv.block_tables(), written_blocks(self.kv.req_to_blocks, self.requests,
+                                                       step.scheduled, self.cache_config.block_size))
         return self._build_output(step)
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
@@ -233,6 +291,8 @@ class Scheduler:
                 if not self._preempt_lower_priority(req, step, now, displaced):
                     break
             hits, num_hit = self.kv.get_computed_blocks(req)
+            if step.provisional and hits:
+                hits, num_hit = self._same_step_hits(req, hits, step)
             n = self._num_new_tokens(req, num_hit, step)
             new_blocks = None if n == 0 else self.kv.allocate_slots(req, n, hits, num_hit)
             while new_blocks is None and n and self._preempt_lower_priority(req, step, now, displaced):
@@ -256,6 +316,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             if not req.times.first_scheduled:
                 req.times.first_scheduled = now
+            self.policy.on_admit(req)
             self.running.append(req)
             if req.request_id in self._executor_has:
                 step.resumed.add(req.request_id)
@@ -284,18 +345,58 @@ class Scheduler:
                 return 0
         return n
 
+    @staticmethod
+    def _with_drafts(req: Request, step: _Step) -> int:
+        """A decode with draft tokens: the last token + as many drafts as the budget takes."""
+        k = min(len(req.spec_token_ids), step.budget - 1)
+        if k < len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:k]
+        return 1 + k
+
+    def _same_step_hits(self, req: Request, hits: list, step: _Step) -> tuple[list, int]:
+        """Keep the prefix hits on blocks computed this step only if their owner cannot be
+        displaced later in this step: a displaced owner never computes them. The scan goes in
+        policy order, so later requests are no more important than ``req``; an owner at
+        least as important as ``req`` is therefore safe."""
+        if self.policy.may_displace:
+            for i, b in enumerate(hits):
+                owner = step.provisional.get(b.block_id)
+                if owner is not None and self.policy.displaces(req, owner):
+                    hits = hits[:i]
+                    break
+        return hits, len(hits) * self.cache_config.block_size
+
     def _mark_scheduled(self, req: Request, n: int, new_blocks, step: _Step) -> None:
         rid = req.request_id
         step.scheduled[rid] = n
         step.budget -= n
         if new_blocks:
             step.new_blocks[rid] = [b.block_id for b in new_blocks]
+        if self.policy.charge is not None:
+            self.policy.charge(req, n)
         num_tokens = len(req.all_token_ids)
-        if n == 1 and req.num_computed_tokens + 1 == num_tokens > req.num_prompt_tokens:
+        if self.kv.enable_prefix_caching:
+            self._cache_scheduled_blocks(req, req.num_computed_tokens + n, step)
+        if req.num_computed_tokens + 1 == num_tokens > req.num_prompt_tokens:
+            if n > 1:  # a decode with draft tokens (lookahead): verified in one pass
+                step.spec[rid] = req.spec_token_ids[:n - 1]
             return  # a decode step
         if req.num_computed_tokens + n < num_tokens:
             step.num_partial += 1
         step.num_prefill_tokens += n
+
+    def _cache_scheduled_blocks(self, req: Request, end: int, step: _Step) -> None:
+        """Register the blocks this step fills for ``req`` in the prefix cache now."""
+        rid = req.request_id
+        kv = self.kv
+        start = kv.num_cached_blocks.get(rid, 0)
+        if end // self.cache_config.block_size <= start:
+            return
+        step.cached_from.setdefault(rid, start)
+        kv.cache_blocks(req, end)
+        blocks = kv.req_to_blocks[rid]
+        for b in blocks[start:kv.num_cached_blocks[rid]]:
+            step.provisional[b.block_id] = req
 
     # ================================================================ preemption
     def _preempt(self, victim: Request, step: _Step, now: float) -> None:
@@ -303,12 +404,22 @@ class Scheduler:
         self.running.remove(victim)
         rid = victim.request_id
         n = step.scheduled.pop(rid, None)
+        victim.spec_token_ids = []  # proposed for the old progress; new ones come later
         if n is not None:  # scheduled earlier in this step: give its tokens back
             step.budget += n
+            step.spec.pop(rid, None)
             step.new_blocks.pop(rid, None)
             step.resumed.discard(rid)
-            if victim.num_computed_tokens + n < victim.num_tokens:
-                step.num_partial -= 1
+            computed, num_tokens = victim.num_computed_tokens, victim.num_tokens
+            if not computed + 1 == num_tokens > victim.num_prompt_tokens:  # not a decode
+                step.num_prefill_tokens -= n
+                if computed + n < num_tokens:
+                    step.num_partial -= 1
+            if self.policy.charge is not None:
+                self.policy.charge(victim, -n)
+            first = step.cached_from.pop(rid, None)
+            if first is not None:  # blocks this step would have computed hold nothing
+                self.kv.uncache_blocks(victim, first)
         self.num_preemptions += 1
         victim.num_preemptions += 1
         victim.times.preempted.append(now)
@@ -335,10 +446,10 @@ class Scheduler:
                                 displaced: list[Request]) -> bool:
         """Under ``priority``: preempt the lowest-priority running request if it is strictly
         less important than ``req``. Returns whether one was preempted."""
-        if self.config.policy != "priority" or not self.running:
+        if not self.policy.may_displace or not self.running:
             return False
-        victim = max(self.running, key=_victim_key)
-        if victim.priority <= req.priority:
+        victim = self.policy.victim(self.running)
+        if not self.policy.displaces(req, victim):
             return False
         self._preempt(victim, step, now)
         displaced.append(victim)
@@ -348,22 +459,29 @@ class Scheduler:
     def _build_output(self, step: _Step) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        constrained: list[Request] = []
         reqs = self.requests
+        sched_reqs: dict[str, Request] = {}
         for rid, n in step.scheduled.items():
-            req = reqs[rid]
+            req = sched_reqs[rid] = reqs[rid]
             if rid not in self._executor_has:
                 self._executor_has.add(rid)
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                self.kv.get_block_ids(rid), req.num_computed_tokens,
                                                req.eos_token_id))
             elif rid in step.resumed:
+                self._forced_token_ids.pop(rid, None)  # all outputs travel below
                 cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
                                                      req.num_computed_tokens, True,
                                                      req.output_token_ids))
             else:
                 cached_reqs.append(CachedRequestData(rid, step.new_blocks.get(rid, _EMPTY),
-                                                     req.num_computed_tokens))
+                                                     req.num_computed_tokens, False,
+                                                     self._forced_token_ids.pop(rid, _EMPTY)))
             req.num_computed_tokens += n  # the one rule: catch up by what was scheduled
+            if req.structured_output is not None and req.num_computed_tokens >= len(
+                    req.all_token_ids):
+                constrained.append(req)  # samples this step: needs its grammar's mask
         total = self.config.max_num_batched_tokens - step.budget
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -372,11 +490,17 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
+            blocks_to_move=step.moves,
+            scheduled_spec_decode_tokens=step.spec,
             preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
             num_prefill_tokens=step.num_prefill_tokens,
             num_decode_tokens=total - step.num_prefill_tokens,
+            scheduled_requests=sched_reqs,
         )
+        if constrained:
+            out.structured_output_request_ids, out.grammar_bitmask = (
+                self.structured_output.grammar_bitmask(constrained))
         self.finished_req_ids = set()
         self.num_steps += 1
         self._last = step
@@ -395,11 +519,20 @@ class Scheduler:
         caching = self.kv.enable_prefix_caching
         num_cached_blocks = self.kv.num_cached_blocks
         bs = self.cache_config.block_size
+        spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        proposed = model_runner_output.spec_token_ids
+        sched_reqs = scheduler_output.scheduled_requests
         for i, rid in enumerate(model_runner_output.req_ids):
-            req = reqs.get(rid)
-            if req is None:
-                continue  # finished or aborted after it was scheduled: a late output
+            # The request object this step scheduled: an id it did not schedule is ignored,
+            # and so is a request that finished or was aborted since (its id may already
+            # belong to a new request).
+            req = sched_reqs.get(rid)
+            if req is None or req.status >= RequestStatus.FINISHED_STOPPED:
+                continue
             running = req.status == RequestStatus.RUNNING
+            if spec_sched and rid in spec_sched:  # before caching: rejected drafts' KV is not
+                apply_verification(req, spec_sched[rid], model_runner_output.sampled_token_ids[i],
+                                   self.kv, self.spec_stats)
             if (running and caching
                     and req.num_computed_tokens // bs > num_cached_blocks.get(rid, 0)):
                 self.kv.cache_blocks(req, req.num_computed_tokens)  # a block just filled
@@ -412,8 +545,12 @@ class Scheduler:
                 req.all_token_ids.append(tok)
                 new_tokens.append(tok)
                 status = self._check_stop(req, tok)
+                if req.structured_output is not None:
+                    status = self._advance_grammar(req, tok, status, new_tokens)
                 if status is not None:
                     break
+            if req.queue_entry:  # preempted while this step was in flight: back in waiting
+                self.waiting.grow(req, len(new_tokens))
             times = req.times
             out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(0, req.num_cached_tokens),
                                    num_preemptions=req.num_preemptions)
@@ -435,6 +572,9 @@ class Scheduler:
                 out.finish_reason = status.finish_reason
                 out.stop_reason = req.stop_reason
                 out.metrics = self._metrics(req)
+            elif proposed is not None and running and req.structured_output is None:
+                # (No drafts for a constrained request: its grammar mask covers one token.)
+                req.spec_token_ids = next_drafts(req, proposed[i])
             outputs.append(out)
         if stopped:
             gone = {r.request_id for r in stopped}
@@ -455,11 +595,70 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
+    # ================================================================ structured outputs
+    def _start_grammar(self, request: Request) -> bool:
+        """Start compiling a constrained request's grammar; True when no wait is needed."""
+        if request.sampling_params.structured_outputs is None:
+            return True
+        if self.structured_output is None:
+            raise ValueError("structured_outputs are not available in this engine (it was "
+                             "built without a grammar backend); remove them from the request")
+        return self.structured_output.add_request(request)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue; those whose grammar
+        failed or timed out end here (their client gets a 400). With nothing else to run,
+        wait a little for a compile rather than spin."""
+        so = self.structured_output
+        assert so is not None
+        if not (self.running or self.waiting or self.swapped):
+            so.wait(self.waiting_for_grammar, GRAMMAR_WAIT_S)
+        ready, failed = so.poll(self.waiting_for_grammar)
+        for req in ready:
+            del self.waiting_for_grammar[req.request_id]
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+        for req, why in failed:
+            del self.waiting_for_grammar[req.request_id]
+            self.num_rejected += 1
+            self._request_errors.append((req.request_id, why))
+            self._finish(req, RequestStatus.FINISHED_IGNORED)
+
+    def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None,
+                         new_tokens: list[int]) -> RequestStatus | None:
+        """Advance the matcher by a newly appended token; a terminated grammar finishes the
+        request ("stop"). Jump-forward tokens are appended here, for the next step to compute."""
+        so = self.structured_output
+        assert so is not None
+        if so.accept_token(req, tok):
+            return status or RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            return status
+        forced = so.jump_forward_tokens(req)
+        for t in forced:
+            req.all_token_ids.append(t)
+            new_tokens.append(t)
+            status = self._check_stop(req, t)
+            if status is not None:
+                return status  # finishing: the executor never needs them
+        if forced:
+            self._forced_token_ids.setdefault(req.request_id, []).extend(forced)
+        return None
+
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, why) of requests that failed after admission, since the last call."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.structured_output is not None:
+            req.structured_output = None  # frees the matcher
+            self._forced_token_ids.pop(req.request_id, None)
         req.status = status
         req.times.finished = self.clock()
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.policy.on_finish(req)
         if req.request_id in self._executor_has:
             self._executor_has.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
@@ -472,11 +671,19 @@ class Scheduler:
             e2e_latency=max(0.0, t.finished - t.arrival), num_preemptions=req.num_preemptions,
             num_cached_tokens=max(0, req.num_cached_tokens),
             num_prompt_tokens=req.num_prompt_tokens,
-            num_generation_tokens=req.num_output_tokens)
+            num_generation_tokens=req.num_output_tokens,
+            spec_num_draft_tokens=req.spec_num_draft_tokens,
+            spec_num_accepted_tokens=req.spec_num_accepted_tokens)
 
     # ================================================================ operator surface
-    def reset_prefix_cache(self) -> None:
-        self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; refused (False) while any request holds KV blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def defragment(self) -> tuple[list[Move], DefragResult]:
+        """A full defragmentation between two steps: the moves (for the executor, which must
+        perform them before the next forward pass) and what they achieved."""
+        return self.relocator.defragment(self.kv.block_tables())
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv
@@ -484,7 +691,7 @@ class Scheduler:
         total = self.config.max_num_batched_tokens - step.budget
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             num_swapped_reqs=len(self.swapped),
             kv_cache_usage=kv.usage(),
             num_free_blocks=kv.pool.num_free_blocks,
@@ -494,6 +701,8 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_evictions=kv.pool.num_evictions,
             fragmentation=kv.fragmentation(self.running),
+            external_fragmentation=external_fragmentation(kv.pool),
+            num_cached_blocks=len(kv.pool.cached),
             num_preemptions_total=self.num_preemptions,
             num_swap_outs_total=self.num_swap_outs,
             num_swap_ins_total=self.num_swap_ins,
@@ -503,12 +712,12 @@ class Scheduler:
             last_step_num_prefill_tokens=step.num_prefill_tokens,
             last_step_num_decode_tokens=total - step.num_prefill_tokens,
             token_budget=self.config.max_num_batched_tokens,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
 
 _EMPTY: list[int] = []
 
-
-def _victim_key(r: Request) -> tuple[int, float]:
-    """Preemption victim order: lowest priority (highest value), then latest arrival."""
-    return (r.priority, r.arrival_time)
