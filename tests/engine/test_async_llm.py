@@ -86,11 +86,15 @@ def test_prompt_longer_than_the_context_names_both_lengths(tokenizer):
         with pytest.raises(AdmissionError, match=r"150 tokens.*128"):
             async for _ in llm.generate(None, ids, SamplingParams(max_tokens=1), "long"):
                 pass
-        with pytest.raises(AdmissionError, match=r"max_tokens is 100"):
-            async for _ in llm.generate(None, ids[:50], SamplingParams(max_tokens=100), "mt"):
-                pass
+        # One length rule (as the offline LLM and vLLM): only the prompt is refused; a
+        # max_tokens past the context is clamped to what is left and ends with "length".
+        outs = [ro async for ro in llm.generate(
+            None, ids[:50], SamplingParams(max_tokens=100, ignore_eos=True), "mt")]
+        return outs
 
-    _run(tokenizer, body)
+    outs = _run(tokenizer, body)
+    assert sum(len(c.token_ids) for ro in outs for c in ro.outputs) == 128 - 50
+    assert outs[-1].outputs[-1].finish_reason == "length"
 
 
 def test_request_that_waits_past_the_timeout_gets_a_timeout_error(tokenizer):

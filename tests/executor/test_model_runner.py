@@ -171,7 +171,7 @@ def test_factory_resolves_max_model_len(tiny_llama_dir, model):
         resolve_max_model_len(1000, cfg)
     core = create_engine_core(EngineArgs(model=str(tiny_llama_dir), num_threads=1,
                                          kv_cache_memory="1MiB", max_model_len=64))
-    assert core.max_model_len == 64 and core.model_config.vocab_size == cfg.vocab_size
+    assert core.model_info.max_model_len == 64 and core.model_info.vocab_size == cfg.vocab_size
     assert core.scheduler.config.max_model_len == 64
     assert core.scheduler.cache_config.num_blocks == (2**20) // bytes_per_block(cfg, 16, torch.float32)
     assert core.model_path == tiny_llama_dir.resolve()

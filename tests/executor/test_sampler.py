@@ -176,3 +176,22 @@ def test_engine_returns_logprobs_and_honours_min_tokens(tiny_llama_dir):
     assert [t for o in outs["stop"] for t in o.new_token_ids] == [eos] and finish["stop"] == "stop"
     got = [t for o in outs["min"] for t in o.new_token_ids]
     assert len(got) >= 3 and eos not in got[:3]
+
+
+def test_logit_bias_steers_greedy_and_sampling_but_not_the_reported_logprobs():
+    # +5 on token 2 makes it the argmax (2.5 + 5 > 4.0); -100 removes EOS from sampling.
+    tokens, lps = sample(SamplingParams(temperature=0.0, logit_bias={2: 5.0}, logprobs=0),
+                         SamplingParams(temperature=0.0))
+    assert tokens == [2, 7]
+    # Logprobs are the model's own distribution, before the bias (as vLLM reports them).
+    assert lps[0].logprob == pytest.approx(torch.log_softmax(LOGITS, -1)[2].item())
+    tokens, _ = sample(*[SamplingParams(temperature=1.0, logit_bias={7: -100.0})] * 300)
+    assert 7 not in tokens
+    # Ids outside the model's vocabulary are ignored by the runner (the server refuses them).
+    tokens, _ = sample(SamplingParams(temperature=0.0, logit_bias={VOCAB + 3: 50.0}))
+    assert tokens == [7]
+
+
+def test_logit_bias_out_of_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 150.0})

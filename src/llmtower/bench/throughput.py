@@ -104,7 +104,7 @@ def run_engine(core: EngineCore, prompts: list[list[int]], sp: SamplingParams,
 
 
 def _first_eos(core: EngineCore) -> int | None:
-    ids = getattr(getattr(core, "model_config", None), "eos_token_ids", None)
+    ids = core.model_info.eos_token_ids if core.model_info else []
     return ids[0] if ids else None
 
 
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(synthetic_model_dir(args.model, seed=0))
     engine_args = EngineArgs.from_cli_args(args)
     core = create_engine_core(engine_args)
-    prompts = make_prompts(args, core.model_config.vocab_size)  # type: ignore[attr-defined]
+    assert core.model_info is not None  # create_engine_core loads a real model
+    prompts = make_prompts(args, core.model_info.vocab_size)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                         ignore_eos=args.ignore_eos, seed=None)
     # Warm up once (first-call allocations and kernel selection), then forget its cache.

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Subcommand modules under llmtower.cli; each registers its own parser(s) and handler(s).
-SUBCOMMAND_MODULES = ["serve", "generate", "bench", "simulate"]
+SUBCOMMAND_MODULES = ["serve", "generate", "bench", "simulate", "diag", "monitor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,14 +19,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            # Flags from the YAML file become defaults; the command line is read again over them.
+            from llmtower.cli.config_file import apply_config_file
+            apply_config_file(_subparser(parser, args.command), args.config)
+            args = parser.parse_args(argv)
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"llmtower {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmtower.structured_output.params import StructuredOutputsParams
+
 
 def _check(cond: bool, name: str, value: object, allowed: str) -> None:
     if not cond:
@@ -37,8 +39,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, -100..100).
+    logit_bias: dict[int, float] | None = None
+    # Keep only the last this-many prompt tokens (vLLM's left truncation); None: all.
+    truncate_prompt_tokens: int | None = None
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); a dict is read as
+    # StructuredOutputsParams(**dict).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -72,6 +83,14 @@ class SamplingParams:
                self.stop_token_ids, "a list of non-negative token ids")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
                "an integer or None")
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+                   "logit_bias", self.logit_bias,
+                   "a map of token id (>= 0) to a bias in [-100, 100]")
+        _check(self.truncate_prompt_tokens is None or (
+            isinstance(self.truncate_prompt_tokens, int) and self.truncate_prompt_tokens >= 1),
+            "truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1 or None")
 
     @property
     def greedy(self) -> bool:

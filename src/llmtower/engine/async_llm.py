@@ -39,6 +39,10 @@ class RequestTimeoutError(TimeoutError):
     """The request waited in the queue past --request-timeout without a token (HTTP 408)."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down: the request was refused or aborted (HTTP 503)."""
+
+
 class _Tracked:
     """What the front end keeps per request in flight, next to the OutputProcessor's state."""
 
@@ -91,6 +95,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         # Tokenizing and chat rendering run here, never on the event loop (issue 11).
         self.off_loop = OffLoopExecutor()
+        self._refusing: str | None = None  # set by abort_all(): why new requests are refused
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -160,6 +165,11 @@ class AsyncLLM:
         return self.input_processor.vocab_size
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """generation_config.json's sampling defaults (--generation-config), by field name."""
+        return self.input_processor.default_sampling if self.input_processor else {}
+
+    @property
     def num_requests_in_flight(self) -> int:
         """Client requests sent and not yet finished (GET /load)."""
         return self.output_processor.get_num_unfinished_requests() if self.output_processor else 0
@@ -222,6 +232,8 @@ class AsyncLLM:
         ``request_timeout_s``). Leaving the loop early aborts the request in the engine."""
         if self.client.is_dead:
             raise EngineDeadError(self.client.dead_reason)
+        if self._refusing is not None:
+            raise ServerShuttingDownError(self._refusing)
         assert self.output_processor is not None, "start() the AsyncLLM first"
         prompt_token_ids = self.check_prompt(prompt_token_ids, sampling_params)
         arrival = time.monotonic()
@@ -266,6 +278,18 @@ class AsyncLLM:
             self._forget(request_id)
             if not finished:
                 self._abort(request_id)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight (in the engine too) and refuse new ones: each
+        waiting ``generate()`` raises ServerShuttingDownError(reason). Returns how many
+        requests were aborted."""
+        self._refusing = reason
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            tracked = self._requests[request_id]
+            self._abort(request_id)
+            tracked.queue.put_nowait(ServerShuttingDownError(reason))
+        return len(request_ids)
 
     def _abort(self, request_id: str, count: bool = True) -> None:
         """Forget a request here and free its KV blocks in the engine, without awaiting."""

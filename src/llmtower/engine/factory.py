@@ -8,6 +8,8 @@ import torch
 from llmtower.core.sched.scheduler import Scheduler
 from llmtower.engine.args import EngineArgs, parse_bytes
 from llmtower.engine.core import EngineCore
+from llmtower.engine.model_info import ModelInfo
+from llmtower.structured_output.manager import make_xgrammar_manager
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
 from llmtower.models.config import ModelConfig
@@ -56,8 +58,7 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
 
 def create_engine_core(args: EngineArgs) -> EngineCore:
     """Resolve and load the model, size the KV cache, and wire Scheduler + CPUExecutor into an
-    EngineCore. The core also carries ``model_config``, ``model_path``, ``max_model_len``,
-    ``dtype`` and ``num_threads`` for its frontends."""
+    EngineCore whose ``model_info`` tells its front ends about the model."""
     torch.set_num_threads(args.threads)
     path: Path = resolve_model_path(args.model)
     config = load_model_config(path)
@@ -70,10 +71,15 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
                            attention_backend=args.attention_backend)
     del state_dict
-    core = EngineCore(Scheduler(scheduler_config, cache_config), executor)
-    core.model_config = config  # type: ignore[attr-defined]
-    core.model_path = path  # type: ignore[attr-defined]
-    core.max_model_len = max_model_len  # type: ignore[attr-defined]
-    core.dtype = dtype  # type: ignore[attr-defined]
-    core.num_threads = args.threads  # type: ignore[attr-defined]
-    return core
+    if args.speculative is not None:
+        from llmtower.spec_decode.setup import attach_spec_decode
+        attach_spec_decode(executor, args.speculative, dtype=dtype)
+    info = ModelInfo(model_config=config, model_path=path, max_model_len=max_model_len,
+                     dtype=dtype, num_threads=args.threads,
+                     eos_token_ids=list(config.eos_token_ids))
+    grammars = make_xgrammar_manager(  # structured outputs: compiles off the busy loop
+        args.create_structured_outputs_config(),
+        args.tokenizer or path, config.vocab_size,
+        list(config.eos_token_ids))
+    return EngineCore(Scheduler(scheduler_config, cache_config, structured_output=grammars),
+                      executor, model_info=info)

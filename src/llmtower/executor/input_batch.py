@@ -50,6 +50,7 @@ class InputBatch:
         # Anything beyond "argmax" or "softmax with temperature, then sample".
         self.needs_processing = np.zeros(0, dtype=bool)
         self.stop_ids_for_min_tokens: dict[int, list[int]] = {}
+        self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (ids, bias)
         self.generators: dict[int, torch.Generator] = {}
         self._grow(initial_rows)
 
@@ -84,8 +85,13 @@ class InputBatch:
             if k:
                 self.token_ids[row, p:p + k] = c.new_token_ids
             self.num_tokens[row] = p + k
-        elif c.new_block_ids:
-            self._set_blocks(row, c.new_block_ids, replace=False)
+        else:
+            if c.new_block_ids:
+                self._set_blocks(row, c.new_block_ids, replace=False)
+            if c.new_token_ids:  # jump-forward tokens the scheduler appended
+                n, k = int(self.num_tokens[row]), len(c.new_token_ids)
+                self.token_ids[row, n:n + k] = c.new_token_ids
+                self.num_tokens[row] = n + k
         self.num_computed_tokens[row] = c.num_computed_tokens
         return row
 
@@ -96,6 +102,7 @@ class InputBatch:
         self.row_to_req_id[row] = None
         self.generators.pop(row, None)
         self.stop_ids_for_min_tokens.pop(row, None)
+        self.logit_bias.pop(row, None)
         self.free_rows.append(row)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
@@ -104,6 +111,17 @@ class InputBatch:
         ok = n < self.max_model_len  # the scheduler stops requests at max_model_len
         self.token_ids[rows[ok], n[ok]] = token_ids[ok]
         self.num_tokens[rows] = np.minimum(n + 1, self.max_model_len)
+
+    def remap_block_ids(self, moves: list[tuple[int, int]]) -> None:
+        """The relocator moved block ``src`` to ``dst``: rewrite every held block table."""
+        if not moves or not self.req_id_to_row:
+            return
+        pairs = np.asarray(moves, dtype=np.int64)
+        rows = np.fromiter(self.req_id_to_row.values(), dtype=np.int64)
+        tables = self.block_table[rows]
+        remap = np.arange(max(int(tables.max()), int(pairs.max())) + 1, dtype=np.int64)
+        remap[pairs[:, 0]] = pairs[:, 1]
+        self.block_table[rows] = remap[tables]
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -134,10 +152,14 @@ class InputBatch:
                 eos = self.eos_token_ids if eos_token_id is None else [eos_token_id]
                 stop += [t for t in eos if t not in stop]
             self.stop_ids_for_min_tokens[row] = [t for t in stop if 0 <= t < self.vocab_size]
+        bias = {t: b for t, b in (sp.logit_bias or {}).items() if 0 <= t < self.vocab_size}
+        if bias:
+            self.logit_bias[row] = (torch.tensor(list(bias), dtype=torch.int64),
+                                    torch.tensor(list(bias.values()), dtype=torch.float32))
         self.needs_processing[row] = (
             sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0 or sp.presence_penalty != 0.0
             or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0 or sp.min_tokens > 0
-            or sp.logprobs is not None)
+            or sp.logprobs is not None or bool(bias))
         if sp.seed is not None and not sp.greedy:
             g = torch.Generator()
             g.manual_seed(sp.seed)

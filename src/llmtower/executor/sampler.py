@@ -1,7 +1,8 @@
 """The sampler: from one step's logits to one token per sampled request.
 
 Order of operations (as in vLLM): logprobs are taken from the raw model distribution
-(``log_softmax`` of the logits); then min_tokens masks EOS and stop tokens; the repetition
+(``log_softmax`` of the logits); then logit_bias is added and min_tokens masks EOS and stop
+tokens; the repetition
 penalty (Hugging Face's, over prompt and output) and the presence / frequency penalties
 (OpenAI's, over the output) change the logits; greedy rows take the argmax of those; the other
 rows are divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
@@ -64,6 +65,10 @@ class Sampler:
         """Penalties and min_tokens of one request, in place (rare, so per row)."""
         num_prompt = int(batch.num_prompt_tokens[row])
         num_tokens = int(batch.num_tokens[row])
+        bias = batch.logit_bias.get(row)
+        if bias is not None:
+            ids, values = bias
+            row_logits[ids] += values.to(row_logits.dtype)
         stop_ids = batch.stop_ids_for_min_tokens.get(row)
         if stop_ids and num_tokens - num_prompt < batch.min_tokens[row]:
             row_logits[stop_ids] = float("-inf")

@@ -6,10 +6,11 @@ starts the engine, then uvicorn, in one event loop, and shuts everything down on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
-import signal
 import socket
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +27,16 @@ from llmtower.metrics.http import HTTPMetricsMiddleware
 from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
-from llmtower.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from llmtower.server.limits import RequestLimits
+from llmtower.server.middleware import (PUBLIC_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware,
+                                        HostAllowListMiddleware)
 from llmtower.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
 from llmtower.server.serving_chat import OpenAIServingChat
 from llmtower.server.serving_completions import OpenAIServingCompletion
 from llmtower.server.serving_probes import build_probe_router
 from llmtower.server.serving_responses import build_responses_router
+from llmtower.server.shutdown import DrainMiddleware, DrainState, GracefulShutdown
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,13 @@ class ServerSettings:
     enable_log_requests: bool = False  # the access log
     max_log_len: int = 0  # prompt characters in the access log (0: none)
     log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
+    # Hostile-input and shutdown settings (issue 11).
+    max_n: int = 16  # most samples (n, best_of) per request
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM / Ctrl-C
+    trust_request_chat_template: bool = False  # may a request bring its own chat template
+    metrics_require_auth: bool = False  # /metrics behind the API key
+    allowed_hosts: list[str] | None = None  # Host-header allow-list (None: any host)
+    expose_model_path: bool = False  # /v1/models `root` = the model's path, not its name
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -65,6 +76,13 @@ class ServerSettings:
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout={self.request_timeout} is invalid: give "
                              "seconds > 0, or leave it out for no timeout")
+        if self.max_n < 1:
+            raise ValueError(f"max_n={self.max_n} is invalid: it must be >= 1")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: give "
+                             "seconds >= 0")
+        if self.metrics_require_auth and not self.api_key:
+            raise ValueError("metrics_require_auth needs an API key (--api-key)")
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -74,16 +92,26 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                   redoc_url=None)
     app.state.llm = llm
     install_exception_handlers(app)
+    # Innermost: counts what is in flight for the graceful shutdown, refuses once draining.
+    app.state.drain = DrainState()
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
     # Added last = outermost: the size check runs before the key check reads anything.
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        public = (PUBLIC_PATHS - {"/metrics"} if settings.metrics_require_auth
+                  else PUBLIC_PATHS)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
+    if settings.allowed_hosts:
+        app.add_middleware(HostAllowListMiddleware, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     # Outermost: refused requests (401, 413) are counted and timed too.
     app.add_middleware(HTTPMetricsMiddleware, metrics=llm.metrics.http)
     if settings.enable_log_requests:
         app.add_middleware(AccessLogMiddleware, max_log_len=settings.max_log_len)
-    completions = OpenAIServingCompletion(llm)
-    chat = OpenAIServingChat(llm)
+    limits = RequestLimits.for_model(
+        llm.max_model_len, max_n=settings.max_n,
+        trust_request_chat_template=settings.trust_request_chat_template)
+    completions = OpenAIServingCompletion(llm, limits)
+    chat = OpenAIServingChat(llm, limits)
     app.include_router(build_admin_router(llm))
     app.include_router(build_responses_router(chat))
     app.include_router(build_probe_router(llm))
@@ -99,8 +127,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         ready = llm.ready
+        # The model's absolute path tells a caller about the host: only if asked.
         return ModelList(data=[ModelCard(id=name,
-                                         root=ready.model_path if ready else None,
+                                         root=(ready.model_path if ready and
+                                               settings.expose_model_path else name),
                                          max_model_len=llm.max_model_len)
                                for name in llm.served_model_names])
 
@@ -138,10 +168,14 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of prompt or messages", 400)
         if body.messages is not None:
-            _, ids = llm.render_chat([{"role": m.role, "content": m.text()}
-                                      for m in body.messages], body.add_generation_prompt)
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            limits.check_prompt_chars(sum(len(m["content"]) for m in conversation),
+                                      "messages")
+            _, ids = await llm.render_chat_async(conversation, body.add_generation_prompt)
         else:
-            ids = llm.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            limits.check_prompt_chars(len(body.prompt or ""))
+            ids = await llm.encode_async(body.prompt or "",
+                                         add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
@@ -165,9 +199,18 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     llm = AsyncLLM(engine_args, engine_factory=engine_factory,
                    request_timeout_s=settings.request_timeout,
                    chat_template=settings.chat_template, log_stats=settings.log_stats)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    # Our handlers, not uvicorn's: SIGTERM / Ctrl-C drain the server (shutdown.py); during
+    # start-up they cancel it.
+    drain = DrainState()
+    shutdown = GracefulShutdown(drain, settings.shutdown_timeout, llm.abort_all)
+    shutdown.on_early_signal = lambda: main_task.cancel() if main_task else None
+    shutdown.install(loop)
     try:
         await llm.start()
         app = build_app(llm, settings)
+        shutdown.state = app.state.drain
         # Everything alive now (modules, tokenizer) lives as long as the server: keep it out
         # of the collector's reach, or every full collection walks it while serving.
         gc.collect()
@@ -176,7 +219,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
                                 log_level=settings.uvicorn_log_level or settings.log_level,
                                 access_log=False,
                                 timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        server = _Server(config)
+        shutdown.stop_server = server.request_exit
         logger.info("llmtower serving %s on http://%s:%d", llm.model_name, settings.host,
                     sock.getsockname()[1])
         if settings.host in ("127.0.0.1", "localhost", "::1"):
@@ -184,8 +228,24 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
                         "outside a container) start with --host 0.0.0.0 (and set --api-key)")
         await server.serve(sockets=[sock])
     finally:
+        GracefulShutdown.uninstall(loop)
         llm.shutdown()
         sock.close()
+    summary = shutdown.summary
+    if summary is not None:
+        logger.info("llmtower stopped on %s: %s; engine stopped", summary.signal_name,
+                    summary.describe())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: GracefulShutdown decides when it exits."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    def request_exit(self) -> None:
+        self.should_exit = True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -205,18 +265,13 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     """Blocking entry point of ``llmtower serve``."""
     logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # SIGTERM (e.g. from a supervisor) shuts down like Ctrl-C: uvicorn handles both once it
-    # runs; before that, a plain KeyboardInterrupt ends the start-up.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (e.g. from a supervisor) shuts down like Ctrl-C; serve() installs the handlers
+    # of both on its event loop, which drain in-flight requests first.
     try:
         asyncio.run(serve(engine_args, settings))
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError):  # stopped while starting
+        logger.info("llmtower stopped during start-up; engine stopped")
     except EngineStartupError as e:  # its own error and traceback were logged above
         logger.error("%s", e)
         return 1
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

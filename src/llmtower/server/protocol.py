@@ -8,15 +8,47 @@ live in ``SamplingParams`` so that the offline API and the server say the same t
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+import uuid
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+import llmtower
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.server.text_checks import find_lone_surrogate
+from llmtower.server.unknown_fields import reject_unknown_fields
+from llmtower.structured_output.request_fields import structured_outputs_of
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        # JSON may spell a lone UTF-16 surrogate ("\\ud800"); Python accepts it into a str,
+        # but no tokenizer or encoder can take it: refuse it here as a 400 naming the field.
+        if isinstance(data, dict):
+            for key, value in data.items():
+                where = find_lone_surrogate(value)
+                if where is not None:
+                    raise ValueError(f"{key}{where} holds a lone UTF-16 surrogate, which is "
+                                     "not valid Unicode text: send valid UTF-8")
+        return data
+
+
+# Bounds on every integer a request may carry (issue 11): an unbounded int reaches the msgpack
+# encoder or torch and fails there as a 500; bounded here it is a 400 that names the field.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# Caps on list sizes that scale the work of one request (OpenAI's limits where it has them).
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
 # ============================================================================ requests
@@ -25,15 +57,35 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: OpenAI's named schema (always enforced strictly)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequestFields(OpenAIModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return reject_unknown_fields(cls, data)
+
     model: str | None = None
-    n: int = 1
+    n: Count = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -41,31 +93,55 @@ class SamplingRequestFields(OpenAIModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM's names).
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
     include_metrics: bool = False
     request_id: str | None = None
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    # Structured outputs (vLLM's names; see docs/structured_outputs.md): one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; remove it from the request")
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """``defaults`` (generation_config.json's, --generation-config) fill what the request
+        leaves out."""
+        d = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            logit_bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("logit_bias=... is invalid: its keys must be token ids, e.g. "
+                             "{\"50256\": -100}") from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=pick(max_tokens, "max_tokens", None),
+            logit_bias=logit_bias or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -73,10 +149,10 @@ class SamplingRequestFields(OpenAIModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs_of(self))
 
     @property
     def include_usage(self) -> bool:
@@ -86,22 +162,20 @@ class SamplingRequestFields(OpenAIModel):
 class CompletionRequest(SamplingRequestFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Count | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported; remove it from the request")
-        if self.echo:
-            raise ValueError("echo is not supported; remove it from the request")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported; leave it out or set "
                              f"it equal to n={self.n}")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(OpenAIModel):
@@ -126,36 +200,29 @@ class ChatMessage(OpenAIModel):
         return "".join(parts)
 
 
-class ResponseFormat(OpenAIModel):
-    type: str = "text"
-
-
 class ChatCompletionRequest(SamplingRequestFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Replaces the template for this request: only with --trust-request-chat-template.
+    chat_template: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ValueError("tools are not supported; remove tools from the request")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not "
-                             "supported; use 'text' or leave it out")
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -166,14 +233,14 @@ class TokenizeRequest(OpenAIModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ============================================================================ responses
@@ -207,12 +274,27 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+def _keep_null_keys(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    for key in keys:
+        data.setdefault(key, None)
+    return data
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @model_serializer(mode="wrap")
+    def _nulls(self, handler: Any) -> dict[str, Any]:
+        # Streams are written without nulls, but clients index these two on every choice.
+        return _keep_null_keys(handler(self), "logprobs", "finish_reason")
+
+
+# Every response says which build answered (OpenAI's field; clients read it).
+SYSTEM_FINGERPRINT = f"fp_llmtower_{llmtower.__version__}"
 
 
 class CompletionResponse(OpenAIModel):
@@ -221,6 +303,7 @@ class CompletionResponse(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
 
@@ -242,6 +325,10 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI's message fields, null here; clients read them without checking they exist.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -258,6 +345,7 @@ class ChatCompletionResponse(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
 
@@ -265,6 +353,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):
@@ -274,6 +363,11 @@ class ChatStreamChoice(OpenAIModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    @model_serializer(mode="wrap")
+    def _nulls(self, handler: Any) -> dict[str, Any]:
+        # Streams are written without nulls, but clients index these two on every chunk.
+        return _keep_null_keys(handler(self), "logprobs", "finish_reason")
+
 
 class ChatCompletionChunk(OpenAIModel):
     id: str
@@ -281,6 +375,7 @@ class ChatCompletionChunk(OpenAIModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
 
@@ -291,8 +386,26 @@ class CompletionChunk(OpenAIModel):
     created: int
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
+
+
+class ModelPermission(OpenAIModel):
+    """OpenAI's (legacy) model permission block, as vLLM serves it: everything allowed."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
 
 
 class ModelCard(OpenAIModel):
@@ -301,7 +414,9 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmtower"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIModel):

@@ -14,6 +14,7 @@ from fastapi import Request
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.server.errors import APIError, error_body, to_api_error
+from llmtower.server.limits import RequestLimits
 from llmtower.server.protocol import PromptTokensDetails, RequestMetricsInfo, UsageInfo
 
 T = TypeVar("T")
@@ -27,12 +28,14 @@ class ClientDisconnected(Exception):
 class ServingBase:
     """Owns the AsyncLLM handle and the served model's name for one OpenAI endpoint."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, limits: RequestLimits | None = None) -> None:
         self.llm = llm
         self.model_name = llm.model_name
+        self.limits = limits or RequestLimits.for_model(llm.max_model_len)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """Any of --served-model-name's names (or none) is this server's model."""
+        if model is not None and model not in self.llm.served_model_names:
             raise APIError(f"the model {model!r} does not exist: this server serves "
                            f"{self.model_name!r} (see GET /v1/models)", 404, param="model",
                            code="model_not_found")
@@ -40,6 +43,12 @@ class ServingBase:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def token_text(token_id: int, decoded: str | None, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or ``token_id:N`` (return_tokens_as_token_ids,
+    for tokens whose text is not valid UTF-8 on its own)."""
+    return f"token_id:{token_id}" if as_id else (decoded or "")
 
 
 def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:

@@ -13,24 +13,26 @@ from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                       TopLogprob)
+from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, new_request_id, sse,
-                                          sse_error, until_disconnect)
+                                          sse_error, token_text, until_disconnect)
 
 ROLE = "assistant"
 
 
-def chat_logprobs(entries: SampleLogprobs, top_k: int) -> ChatLogprobs:
-    """OpenAI's chat logprobs: per token its text, logprob and UTF-8 bytes, with the
-    ``top_k`` most likely alternatives."""
+def chat_logprobs(entries: SampleLogprobs, top_k: int, as_ids: bool = False) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token its text (``token_id:N`` with
+    return_tokens_as_token_ids), logprob and UTF-8 bytes, with the ``top_k`` most likely
+    alternatives."""
     content = []
     for d in entries:
-        (_, lp), *_ = d.items()  # the sampled token comes first
-        ranked = sorted(d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30)
-        top = [TopLogprob(token=v.decoded_token or "", logprob=v.logprob,
+        (sampled_id, lp), *_ = d.items()  # the sampled token comes first
+        ranked = sorted(d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        top = [TopLogprob(token=token_text(t, v.decoded_token, as_ids), logprob=v.logprob,
                           bytes=list((v.decoded_token or "").encode()))
-               for v in ranked[:top_k]]
-        token = lp.decoded_token or ""
+               for t, v in ranked[:top_k]]
+        token = token_text(sampled_id, lp.decoded_token, as_ids)
         content.append(ChatLogprobToken(token=token, logprob=lp.logprob,
                                         bytes=list(token.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -42,10 +44,16 @@ class OpenAIServingChat(ServingBase):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params()
-        prompt, ids = self.llm.render_chat(req.conversation(), req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}))
-        self.llm.check_prompt(ids, params)
+        self.limits.check_n(req.n)
+        params = req.to_sampling_params(self.llm.default_sampling)
+        template_kwargs = self.limits.check_template_kwargs(
+            req.chat_template_kwargs, getattr(req, "chat_template", None))
+        conversation = req.conversation()
+        self.limits.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        prompt, ids = await self.llm.render_chat_async(conversation, req.add_generation_prompt,
+                                                       **template_kwargs)
+        ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
+        note_prompt(prompt)
         request_id = new_request_id("chatcmpl")
         stream = merge_streams([self.llm.generate(prompt, ids, params, request_id,
                                                   priority=req.priority,
@@ -87,11 +95,13 @@ class OpenAIServingChat(ServingBase):
             if ro.finished:
                 final = ro
             item = await anext(stream, None)
+        note_tokens(request_id, num_prompt, sum(num_tokens))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatChoice(
                 index=i, message=ChatResponseMessage(role=ROLE, content=texts[i]),
-                logprobs=chat_logprobs(logprobs[i], top_k) if req.logprobs else None,
+                logprobs=(chat_logprobs(logprobs[i], top_k, req.return_tokens_as_token_ids)
+                          if req.logprobs else None),
                 finish_reason=finish[i][0], stop_reason=finish[i][1]) for i in range(n)],
             usage=make_usage(num_prompt, sum(num_tokens),
                              final.num_cached_tokens if final else 0),
@@ -124,7 +134,8 @@ class OpenAIServingChat(ServingBase):
                         continue
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=c.text or None),
-                        logprobs=chat_logprobs(c.logprobs, top_k) if c.logprobs else None,
+                        logprobs=(chat_logprobs(c.logprobs, top_k, req.return_tokens_as_token_ids)
+                                  if c.logprobs else None),
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
                 if ro.finished:
                     final = ro
@@ -135,6 +146,7 @@ class OpenAIServingChat(ServingBase):
                         out.metrics = metrics_info(ro.metrics)
                     yield sse(out.model_dump_json(exclude_none=True))
                 item = await anext(stream, None)
+            note_tokens(request_id, num_prompt, num_tokens)
             if req.include_usage:
                 out = chunk([])
                 out.usage = make_usage(num_prompt, num_tokens,

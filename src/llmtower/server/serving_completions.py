@@ -12,26 +12,29 @@ from llmtower.engine.output_processor import merge_metrics
 from llmtower.engine.request_output import RequestOutput, SampleLogprobs
 from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                       CompletionRequest, CompletionResponse)
+from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, new_request_id, sse,
-                                          sse_error, until_disconnect)
+                                          sse_error, token_text, until_disconnect)
 
 Prompt = tuple[str | None, list[int]]
 
 
-def completion_logprobs(entries: SampleLogprobs, start_offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(entries: SampleLogprobs, start_offset: int = 0,
+                        as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's legacy logprobs block: the sampled token, its logprob, the top alternatives
-    (``{token text: logprob}``) and each token's character offset in the text."""
+    (``{token text: logprob}``) and each token's character offset in the text. With
+    ``as_ids`` (return_tokens_as_token_ids) tokens are named ``token_id:N``."""
     out = CompletionLogprobs()
     offset = start_offset
     for d in entries:
         (token_id, lp), *_ = d.items()  # the sampled token comes first
-        token = lp.decoded_token or ""
+        token = token_text(token_id, lp.decoded_token, as_ids)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
         top: dict[str, float] = {}
-        for v in d.values():  # sampled first; tokens with the same text keep the first entry
-            top.setdefault(v.decoded_token or "", v.logprob)
+        for t, v in d.items():  # sampled first; tokens with the same text keep the first entry
+            top.setdefault(token_text(t, v.decoded_token, as_ids), v.logprob)
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
@@ -55,10 +58,16 @@ class OpenAIServingCompletion(ServingBase):
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params()
-        prompts = self._prompts(req.prompt)
-        for _, ids in prompts:
-            self.llm.check_prompt(ids, params)
+        self.limits.check_n(req.n, req.best_of)
+        params = req.to_sampling_params(self.llm.default_sampling)
+        if req.echo and req.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server "
+                             "does not compute: drop echo or logprobs")
+        prompts = []
+        for text, ids in await self._prompts(req.prompt):
+            kept = self.llm.check_prompt(ids, params)  # truncate_prompt_tokens applies here
+            prompts.append((text if len(kept) == len(ids) else None, kept))
+        note_prompt(prompts[0][0])
         request_id = new_request_id("cmpl")
         streams = [self.llm.generate(text, ids, params, f"{request_id}-{i}",
                                      priority=req.priority, cache_salt=req.cache_salt)
@@ -82,21 +91,31 @@ class OpenAIServingCompletion(ServingBase):
         except ClientDisconnected:
             return Response(status_code=499)
 
-    def _prompts(self, prompt) -> list[Prompt]:
+    def _echo_text(self, prompt: Prompt) -> str:
+        text, ids = prompt
+        return text if text is not None else self.llm.decode(ids, skip_special_tokens=False)
+
+    async def _prompts(self, prompt) -> list[Prompt]:
         if isinstance(prompt, str):
-            return [(prompt, self.llm.encode(prompt))]
+            prompt = [prompt]
         if not prompt:
             raise ValueError("prompt is empty: send a string, a list of strings, or token ids")
         if all(isinstance(p, int) for p in prompt):
             return [(None, list(prompt))]
+        # Measured before tokenizing: a prompt too long in characters is refused at once.
+        self.limits.check_prompt_chars(sum(len(p) for p in prompt if isinstance(p, str)))
         out: list[Prompt] = []
         for p in prompt:
-            out.append((p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p)))
+            out.append((p, await self.llm.encode_async(p)) if isinstance(p, str)
+                       else (None, list(p)))
         return out
 
     async def _collect(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                        n: int, first, merged) -> CompletionResponse:
         choices = [_Choice() for _ in range(len(prompts) * n)]
+        if req.echo:
+            for k, ch in enumerate(choices):
+                ch.text = self._echo_text(prompts[k // n])
         finals: list[RequestOutput] = []
         item = first
         while item is not None:
@@ -112,11 +131,14 @@ class OpenAIServingCompletion(ServingBase):
             if ro.finished:
                 finals.append(ro)
             item = await anext(merged, None)
+        note_tokens(request_id, sum(len(ids) for _, ids in prompts),
+                    sum(ch.num_tokens for ch in choices))
         return CompletionResponse(
             id=request_id, model=self.model_name,
             choices=[CompletionChoice(
                 index=k, text=ch.text, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                logprobs=completion_logprobs(ch.logprobs) if ch.logprobs is not None else None)
+                logprobs=(completion_logprobs(ch.logprobs, as_ids=req.return_tokens_as_token_ids)
+                          if ch.logprobs is not None else None))
                 for k, ch in enumerate(choices)],
             usage=make_usage(sum(len(ids) for _, ids in prompts),
                              sum(ch.num_tokens for ch in choices),
@@ -131,6 +153,12 @@ class OpenAIServingCompletion(ServingBase):
         finals: list[RequestOutput] = []
         item = first
         try:
+            if req.echo:  # the prompt first, one chunk per choice
+                for k in range(len(prompts) * n):
+                    yield sse(CompletionChunk(
+                        id=request_id, created=created, model=self.model_name,
+                        choices=[CompletionChoice(index=k, text=self._echo_text(prompts[k // n]))]
+                    ).model_dump_json(exclude_none=True))
             while item is not None:
                 i, ro = item
                 choices = []
@@ -141,7 +169,8 @@ class OpenAIServingCompletion(ServingBase):
                         continue
                     lp = None
                     if c.logprobs:
-                        lp = completion_logprobs(c.logprobs, offsets[k])
+                        lp = completion_logprobs(c.logprobs, offsets[k],
+                                                 req.return_tokens_as_token_ids)
                         offsets[k] += sum(len(t) for t in lp.tokens)
                     choices.append(CompletionChoice(index=k, text=c.text, logprobs=lp,
                                                     finish_reason=c.finish_reason,
@@ -156,6 +185,7 @@ class OpenAIServingCompletion(ServingBase):
                         chunk.metrics = metrics_info(ro.metrics)
                     yield sse(chunk.model_dump_json(exclude_none=True))
                 item = await anext(merged, None)
+            note_tokens(request_id, sum(len(ids) for _, ids in prompts), num_tokens)
             if req.include_usage:
                 usage_chunk = CompletionChunk(
                     id=request_id, created=created, model=self.model_name, choices=[],

@@ -1,0 +1,140 @@
+"""Request and response bodies of POST /v1/responses (OpenAI's Responses API), the subset a
+text model serves: text input (a string or messages), instructions, sampling settings, and
+one assistant message of output text. The request becomes a chat completion request."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from llmtower.server.protocol import (MAX_MESSAGES, ChatCompletionRequest, Count, Int64,
+                                      OpenAIModel)
+
+
+class InputContentPart(OpenAIModel):
+    type: str  # input_text (output_text when a previous answer is sent back)
+    text: str | None = None
+
+
+class InputItem(OpenAIModel):
+    """One message of ``input``; ``type`` is "message" or left out (the easy form)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type not in ("input_text", "output_text", "text"):
+                raise ValueError(f"input content of type {p.type!r} is not supported; send "
+                                 "input_text only")
+            parts.append(p.text or "")
+        return "".join(parts)
+
+
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses."""
+
+    model: str | None = None
+    input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: Int64 | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    store: bool | None = None  # accepted; nothing is stored
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    def to_chat_request(self, stream: bool) -> ChatCompletionRequest:
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id is not supported (this server stores no "
+                             "responses): send the whole conversation in input")
+        if self.tools:
+            raise ValueError("tools are not supported on /v1/responses; remove them")
+        messages: list[dict[str, str]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [{"role": "system" if m.role == "developer" else m.role,
+                          "content": m.text()} for m in self.input]
+        if not messages:
+            raise ValueError("input is empty: send a string or at least one message")
+        return ChatCompletionRequest(
+            model=self.model, messages=messages, max_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stream=stream,
+            stream_options={"include_usage": True} if stream else None, user=self.user)
+
+
+class OutputText(OpenAIModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(OpenAIModel):
+    type: Literal["message"] = "message"
+    id: str = Field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class InputTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIModel):
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+
+class IncompleteDetails(OpenAIModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponsesResponse(OpenAIModel):
+    """A Response object (``object: "response"``)."""
+
+    id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "completed"
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: str = "disabled"
+    store: bool = False
