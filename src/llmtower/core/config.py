@@ -6,11 +6,13 @@ line fails at start-up rather than as a stuck request later.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-Policy = Literal["fcfs", "priority", "sjf"]
+Policy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap"]
+PreemptionVictim = Literal["priority", "remaining"]
+KVAllocator = Literal["plain", "relocator"]
 
 
 def _require(cond: bool, field: str, value: object, allowed: str) -> None:
@@ -26,7 +28,10 @@ class SchedulerConfig:
     - ``max_num_batched_tokens``: token budget of one forward pass (prefill + decode).
     - ``max_model_len``: longest sequence (prompt + output) a request may reach.
     - ``policy``: order of the waiting queue: ``fcfs``, ``priority`` (lower value first) or
-      ``sjf`` (shortest predicted work first, aged by ``sjf_aging_tokens_per_s``).
+      ``sjf`` (shortest predicted work first, aged by ``sjf_aging_tokens_per_s``) or ``fair``
+      (per-tenant Virtual Token Counter, tenants weighted by ``tenant_weights``).
+    - ``preemption_victim``: among the lowest-ranked running requests, preempt the latest
+      arrival (``priority``) or the one with the most predicted remaining work (``remaining``).
     - ``preemption_mode``: ``recompute`` (free blocks, redo the prefill later) or ``swap``
       (copy blocks to CPU swap space; falls back to recompute when it is full).
     - ``enable_chunked_prefill``: prompts may be split across steps; when off, a prompt is
@@ -53,14 +58,21 @@ class SchedulerConfig:
     max_num_queued_tokens: int = 0
     max_bypass: int = 8
     sjf_aging_tokens_per_s: float = 100.0
+    preemption_victim: PreemptionVictim = "priority"
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  self.max_num_batched_tokens, "an integer >= 1")
         _require(self.max_model_len >= 2, "max_model_len", self.max_model_len, "an integer >= 2")
-        _require(self.policy in ("fcfs", "priority", "sjf"), "policy", self.policy,
-                 "one of 'fcfs', 'priority', 'sjf'")
+        _require(self.policy in ("fcfs", "priority", "sjf", "fair"), "policy", self.policy,
+                 "one of 'fcfs', 'priority', 'sjf', 'fair'")
+        _require(self.preemption_victim in ("priority", "remaining"), "preemption_victim",
+                 self.preemption_victim, "one of 'priority', 'remaining'")
+        for tenant, w in self.tenant_weights.items():
+            _require(isinstance(w, (int, float)) and w > 0, f"tenant_weights[{tenant!r}]", w,
+                     "a number > 0")
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
                  self.preemption_mode, "one of 'recompute', 'swap'")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
@@ -90,15 +102,29 @@ class CacheConfig:
     - ``num_blocks``: device KV blocks (the executor may size it from a memory budget).
     - ``num_cpu_blocks``: CPU swap-space blocks used by ``preemption_mode='swap'``.
     - ``enable_prefix_caching``: reuse full blocks across requests through chained hashes.
+    - ``kv_allocator``: ``plain`` (the pool alone) or ``relocator`` (the scheduler also moves
+      blocks so that block tables and the free space become contiguous runs, once the layout
+      fragmentation passes ``fragmentation_threshold``, at most ``max_block_moves_per_step``
+      block copies per step).
     """
 
     block_size: int = 16
     num_blocks: int = 1024
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    kv_allocator: KVAllocator = "plain"
+    fragmentation_threshold: float = 0.5
+    max_block_moves_per_step: int = 64
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
         _require(self.num_blocks >= 1, "num_blocks", self.num_blocks, "an integer >= 1")
         _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", self.num_cpu_blocks,
                  "an integer >= 0")
+        _require(self.kv_allocator in ("plain", "relocator"), "kv_allocator", self.kv_allocator,
+                 "one of 'plain', 'relocator'")
+        _require(0.0 <= self.fragmentation_threshold < 1.0, "fragmentation_threshold",
+                 self.fragmentation_threshold, "a number in [0, 1) (0: defragment whenever "
+                 "anything is out of place)")
+        _require(self.max_block_moves_per_step >= 1, "max_block_moves_per_step",
+                 self.max_block_moves_per_step, "an integer >= 1")

@@ -13,6 +13,8 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     SWAPPED = 2
     PREEMPTED = 3  # preempted by recompute: back in `waiting` with no KV blocks
+    # Admitted, outside `waiting` until its grammar has compiled (structured outputs).
+    WAITING_FOR_GRAMMAR = 4
     # Every status from here on is final.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -80,6 +82,9 @@ class Request:
         "arrival_time", "cache_salt", "status", "all_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "max_tokens",
         "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key", "lora", "client_index",
+        "seq", "queue_entry", "queued_tokens", "tenant",
+        "spec_token_ids", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+        "structured_output",
     )
 
     def __init__(
@@ -91,6 +96,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        tenant: str = "",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt: send at least one token")
@@ -116,6 +122,21 @@ class Request:
         self.sort_key: tuple = ()
         self.lora = None
         self.client_index = 0
+        # Admission sequence number, set by the scheduler: the last tie-break of every
+        # ordering, so that equal arrival times (n > 1 fan-out) still give a strict order.
+        self.seq = 0
+        # The waiting queue's live entry (0: not queued) and the tokens it counted for this
+        # request: removal belongs to the entry, never to the id, which callers may reuse.
+        self.queue_entry = 0
+        self.queued_tokens = 0
+        self.tenant = tenant  # who is served, for --policy fair ("" = the default tenant)
+        # Speculative decoding: draft tokens to verify after the last token at the next step
+        # (never part of all_token_ids), and this request's draft / accepted totals.
+        self.spec_token_ids: list[int] = []
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        # The grammar state (structured_output.manager.GrammarState) of a constrained request.
+        self.structured_output = None
 
     @property
     def num_tokens(self) -> int:

@@ -80,10 +80,28 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
-    def reset_prefix_cache(self) -> None:
+    def uncache_blocks(self, request: Request, start: int) -> None:
+        """Take the request's blocks from index ``start`` on out of the prefix cache: they were
+        registered when a step was scheduled, and that step will not compute them after all
+        (the request was preempted before it ran)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, ())
+        cached = self.pool.cached
+        for b in blocks[start:self.num_cached_blocks.get(rid, 0)]:
+            if b.block_hash is not None and cached.get(b.block_hash) is b:
+                del cached[b.block_hash]
+                b.block_hash = None
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(start, self.num_cached_blocks[rid])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, only when no block is in use (as vLLM): returns False,
+        changing nothing, while any request holds blocks, since their hashes would otherwise
+        have to be dropped from under them."""
+        if self.pool.num_free_blocks < self.pool.num_blocks:
+            return False
         self.pool.reset_prefix_cache()
-        for rid in self.num_cached_blocks:
-            self.num_cached_blocks[rid] = len(self.req_to_blocks.get(rid, ()))
+        return True
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -130,6 +148,23 @@ class KVCacheManager:
         cpu = self.req_to_cpu_blocks.pop(rid, None)
         if cpu:
             self.free_cpu_blocks.extend(cpu)
+
+    def block_tables(self) -> list[list[KVCacheBlock]]:
+        """Every holder's device blocks (what the relocator packs)."""
+        return list(self.req_to_blocks.values())
+
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past the first ``ceil(num_tokens / block_size)``
+        (those that only held rejected draft tokens); returns how many. Never a cached block:
+        cached blocks are full of computed tokens, and those are all below ``num_tokens``."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

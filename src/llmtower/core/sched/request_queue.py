@@ -1,22 +1,27 @@
 """The waiting queue, ordered by the scheduling policy.
 
-- ``fcfs``: a deque in arrival order; preempted requests go back to the front.
-- ``priority``: a heap on (priority, arrival time): lower value first, then earlier arrival.
-- ``sjf``: a heap on predicted work plus aging. A request's effective size at time ``t`` is
-  ``work - aging * (t - arrival)``; since ``aging * t`` is common to everyone at a given
-  moment, the order is that of the constant key ``work + aging * arrival``, so a heap keeps
-  it. A request of ``work`` W can be overtaken only by requests arriving within ``W / aging``
-  seconds after it: its wait is bounded.
+- ``FCFSQueue``: a deque in arrival order; preempted requests go back to the front.
+- ``HeapQueue``: a heap on a policy key (``priority``: (priority, arrival, seq); ``sjf``:
+  predicted work plus aging, see ``policy.py``), with the admission sequence number ``seq`` as
+  the last tie-break so that the order is strict even when arrival times are equal.
 
-Removal (abort) is lazy: a removed request is only marked, and skipped when it reaches the
-front, so aborting never costs an O(n) search.
+Removal (abort, a late stop, a priority change) is lazy: the queue keeps a removed entry and
+skips it when it reaches the front, so removal never costs an O(n) search. **Removal belongs
+to the entry, not to the request id**: every ``add`` creates an entry with a fresh number,
+stored on the request as ``queue_entry``; an entry is live only while the request still
+points at it. Ids of finished or aborted requests are free for reuse, so a new request with
+an old id is a different entry and the stale one can never come back to life.
+
+``num_tokens`` is the exact sum of the queued requests' tokens: each request remembers what
+the queue counted for it (``queued_tokens``), and a token appended to a queued request (a
+late output of a step that was in flight when it was preempted) is counted with ``grow``.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from llmtower.core.request import Request
 
@@ -25,9 +30,9 @@ class RequestQueue:
     """Owns the waiting requests in policy order, with O(1)/O(log n) add, pop and removal."""
 
     def __init__(self) -> None:
-        self._removed: set[str] = set()
         self._len = 0
-        self.num_tokens = 0  # prompt tokens of the requests in the queue (admission limits)
+        self.num_tokens = 0  # tokens of the requests in the queue (admission limits)
+        self._entries = itertools.count(1)
 
     def __len__(self) -> int:
         return self._len
@@ -35,24 +40,36 @@ class RequestQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def _on_add(self, req: Request) -> None:
-        self._removed.discard(req.request_id)
+    def _on_add(self, req: Request) -> int:
+        if req.queue_entry:
+            raise RuntimeError(f"request {req.request_id!r} is already in the waiting queue")
+        entry = next(self._entries)
+        req.queue_entry = entry
+        req.queued_tokens = req.num_tokens
         self._len += 1
-        self.num_tokens += req.num_tokens
+        self.num_tokens += req.queued_tokens
+        return entry
 
     def _on_pop(self, req: Request) -> None:
+        req.queue_entry = 0
         self._len -= 1
-        self.num_tokens -= req.num_tokens
+        self.num_tokens -= req.queued_tokens
+        req.queued_tokens = 0
 
     def remove(self, req: Request) -> None:
-        self._removed.add(req.request_id)
-        self._on_pop(req)
+        """Kill the request's live entry (no-op if it has none); skipped lazily later."""
+        if req.queue_entry:
+            self._on_pop(req)
 
-    def _is_live(self, req: Request) -> bool:
-        if req.request_id in self._removed:
-            self._removed.discard(req.request_id)
-            return False
-        return True
+    def grow(self, req: Request, num_tokens: int) -> None:
+        """``num_tokens`` were appended to a queued request: count them."""
+        if req.queue_entry:
+            req.queued_tokens += num_tokens
+            self.num_tokens += num_tokens
+
+    @staticmethod
+    def _live(entry: int, req: Request) -> bool:
+        return req.queue_entry == entry
 
     # Subclasses implement the ordering.
     def add(self, req: Request) -> None: ...
@@ -62,63 +79,70 @@ class RequestQueue:
     def prepend(self, reqs: list[Request]) -> None: ...
     def __iter__(self) -> Iterator[Request]: ...
 
+    def rekey(self, req: Request) -> None:
+        """The request's ordering key changed (e.g. its priority): re-insert it."""
+        if req.queue_entry:
+            self._on_pop(req)
+            req.sort_key = ()
+            self.add(req)
+
 
 class FCFSQueue(RequestQueue):
+    """Arrival order; a preempted request goes back to the front."""
+
     def __init__(self) -> None:
         super().__init__()
-        self._q: deque[Request] = deque()
+        self._q: deque[tuple[int, Request]] = deque()
 
     def add(self, req: Request) -> None:
-        self._on_add(req)
-        self._q.append(req)
+        self._q.append((self._on_add(req), req))
 
     def add_front(self, req: Request) -> None:
-        self._on_add(req)
-        self._q.appendleft(req)
+        self._q.appendleft((self._on_add(req), req))
 
     def _drop_dead(self) -> None:
-        while self._q and not self._is_live(self._q[0]):
-            self._q.popleft()
+        q = self._q
+        while q and q[0][1].queue_entry != q[0][0]:
+            q.popleft()
 
     def peek(self) -> Request:
         self._drop_dead()
-        return self._q[0]
+        return self._q[0][1]
 
     def pop(self) -> Request:
         self._drop_dead()
-        req = self._q.popleft()
+        req = self._q.popleft()[1]
         self._on_pop(req)
         return req
 
     def prepend(self, reqs: list[Request]) -> None:
-        for r in reqs:
-            self._on_add(r)
-        self._q.extendleft(reversed(reqs))
+        entries = [(self._on_add(r), r) for r in reqs]
+        self._q.extendleft(reversed(entries))
 
     def __iter__(self) -> Iterator[Request]:
-        return (r for r in self._q if r.request_id not in self._removed)
+        return (r for e, r in self._q if r.queue_entry == e)
 
 
 class HeapQueue(RequestQueue):
-    """A heap on ``key(req)``; ties broken by insertion order."""
+    """A heap on ``key(req)``, computed once per request (a preempted request keeps its place);
+    ties broken by entry number, though every policy key already ends with ``seq``."""
 
-    def __init__(self, key) -> None:
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
         super().__init__()
         self._key = key
         self._heap: list[tuple[tuple, int, Request]] = []
-        self._seq = itertools.count()
 
     def add(self, req: Request) -> None:
         if not req.sort_key:
             req.sort_key = self._key(req)
-        self._on_add(req)
-        heapq.heappush(self._heap, (req.sort_key, next(self._seq), req))
+        heapq.heappush(self._heap, (req.sort_key, self._on_add(req), req))
 
     add_front = add  # a preempted request keeps its key, which puts it before later arrivals
 
     def _drop_dead(self) -> None:
-        while self._heap and not self._is_live(self._heap[0][2]):
-            heapq.heappop(self._heap)
+        h = self._heap
+        while h and h[0][2].queue_entry != h[0][1]:
+            heapq.heappop(h)
 
     def peek(self) -> Request:
         self._drop_dead()
@@ -136,17 +160,4 @@ class HeapQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1]))
-                if e[2].request_id not in self._removed)
-
-
-def make_request_queue(policy: str, sjf_aging_tokens_per_s: float = 100.0) -> RequestQueue:
-    if policy == "fcfs":
-        return FCFSQueue()
-    if policy == "priority":
-        return HeapQueue(lambda r: (r.priority, r.arrival_time))
-    if policy == "sjf":
-        def sjf_key(r: Request) -> tuple:
-            work = r.num_prompt_tokens + r.max_tokens
-            return (work + sjf_aging_tokens_per_s * r.arrival_time, r.arrival_time)
-        return HeapQueue(sjf_key)
-    raise ValueError(f"policy={policy!r} is invalid: policy must be one of 'fcfs', 'priority', 'sjf'")
+                if e[2].queue_entry == e[1])

@@ -1,0 +1,173 @@
+"""``--policy fair``: per-tenant fairness with the Virtual Token Counter (VTC; Sheng et al.,
+"Fairness in Serving Large Language Models", OSDI'24).
+
+- Each tenant has a counter that grows by the tokens served to it (prefill and decode, each
+  token counted once when it is scheduled, given back if the request is preempted before its
+  step runs), divided by the tenant's weight (``--tenant-weights a=2,b=1``; default 1).
+- Admission takes the oldest waiting request of the tenant with the **smallest** counter.
+- A tenant that comes back after idling (no request waiting or running) has its counter
+  lifted to the smallest counter among the active tenants, so idling earns no credit.
+- Preemption victims come from the tenant with the **largest** counter, read when each
+  request was (re)admitted: a live counter would make two tenants preempt each other in turn
+  (each one's counter overtakes the other's while it runs), so the rank of a running request
+  is frozen until it is preempted and admitted again (see ``policy.py``: no livelock).
+
+The guarantee (VTC): between two backlogged tenants the difference of their counters stays
+within a bound of the order of one step's tokens plus one request's length, so their service
+ratio converges to the ratio of their weights.
+
+Cost: picking the next waiting request scans the tenants that have one waiting, O(tenants).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+from llmtower.core.config import SchedulerConfig
+from llmtower.core.request import Request
+from llmtower.core.sched.policy import SchedulingPolicy
+from llmtower.core.sched.request_queue import RequestQueue
+
+
+class TenantStats:
+    """What one tenant was served (for metrics and the operator)."""
+
+    __slots__ = ("tokens_served", "num_admitted", "queue_time_sum", "num_unfinished")
+
+    def __init__(self) -> None:
+        self.tokens_served = 0
+        self.num_admitted = 0  # first admissions
+        self.queue_time_sum = 0.0  # seconds from queueing to first admission
+        self.num_unfinished = 0
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class FairQueue(RequestQueue):
+    """One FIFO per tenant; the front is the head of the tenant with the smallest counter
+    (ties: the earliest head)."""
+
+    def __init__(self, counters: dict[str, float]) -> None:
+        super().__init__()
+        self._counters = counters
+        self._fifos: dict[str, deque[tuple[int, Request]]] = {}
+        self._live: dict[str, int] = {}  # live entries per tenant (tenants with 0 are dropped)
+
+    def _on_add(self, req: Request) -> int:
+        t = req.tenant
+        self._live[t] = self._live.get(t, 0) + 1
+        if t not in self._fifos:
+            self._fifos[t] = deque()
+        return super()._on_add(req)
+
+    def _on_pop(self, req: Request) -> None:
+        t = req.tenant
+        left = self._live[t] - 1
+        if left:
+            self._live[t] = left
+        else:
+            del self._live[t]
+            del self._fifos[t]  # only dead entries were left in it
+        super()._on_pop(req)
+
+    def add(self, req: Request) -> None:
+        entry = self._on_add(req)
+        self._fifos[req.tenant].append((entry, req))
+
+    def add_front(self, req: Request) -> None:
+        entry = self._on_add(req)
+        self._fifos[req.tenant].appendleft((entry, req))
+
+    def prepend(self, reqs: list[Request]) -> None:
+        for r in reversed(reqs):
+            self.add_front(r)
+
+    def _head(self, t: str) -> Request:
+        q = self._fifos[t]
+        while q[0][1].queue_entry != q[0][0]:
+            q.popleft()
+        return q[0][1]
+
+    def _pick(self) -> str:
+        counters = self._counters
+        best_t, best = "", None
+        for t in self._live:
+            h = self._head(t)
+            key = (counters.get(t, 0.0), h.arrival_time, h.seq)
+            if best is None or key < best:
+                best_t, best = t, key
+        return best_t
+
+    def peek(self) -> Request:
+        if not self._live:
+            raise IndexError("peek from an empty queue")
+        return self._head(self._pick())
+
+    def pop(self) -> Request:
+        req = self.peek()
+        self._fifos[req.tenant].popleft()
+        self._on_pop(req)
+        return req
+
+    def __iter__(self) -> Iterator[Request]:
+        live = [r for q in self._fifos.values() for e, r in q if r.queue_entry == e]
+        return iter(sorted(live, key=lambda r: (self._counters.get(r.tenant, 0.0),
+                                                r.arrival_time, r.seq)))
+
+
+class FairPolicy(SchedulingPolicy):
+    """Owns the tenants' virtual token counters and per-tenant statistics."""
+
+    name = "fair"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.weights = dict(config.tenant_weights)
+        self.counters: dict[str, float] = {}
+        self.stats: dict[str, TenantStats] = {}
+        self._rank: dict[int, float] = {}  # seq -> the tenant's counter at (re)admission
+        self.charge = self._charge
+
+    def make_queue(self) -> RequestQueue:
+        return FairQueue(self.counters)
+
+    def rank(self, req: Request) -> float:
+        return self._rank.get(req.seq, 0.0)
+
+    def _stats(self, tenant: str) -> TenantStats:
+        s = self.stats.get(tenant)
+        if s is None:
+            s = self.stats[tenant] = TenantStats()
+        return s
+
+    def on_add(self, req: Request) -> None:
+        t = req.tenant
+        st = self._stats(t)
+        if st.num_unfinished == 0:
+            # A returning (or new) tenant starts level with the least-served active tenant.
+            active = [self.counters.get(a, 0.0) for a, s in self.stats.items()
+                      if s.num_unfinished and a != t]
+            floor = min(active) if active else 0.0
+            self.counters[t] = max(self.counters.get(t, 0.0), floor)
+        st.num_unfinished += 1
+
+    def on_admit(self, req: Request) -> None:
+        self._rank[req.seq] = self.counters.get(req.tenant, 0.0)
+        if req.num_preemptions == 0:
+            st = self._stats(req.tenant)
+            st.num_admitted += 1
+            st.queue_time_sum += max(0.0, req.times.first_scheduled - req.times.queued)
+
+    def _charge(self, req: Request, num_tokens: int) -> None:
+        t = req.tenant
+        self.counters[t] = self.counters.get(t, 0.0) + num_tokens / self.weights.get(t, 1.0)
+        self.stats[t].tokens_served += num_tokens
+
+    def on_finish(self, req: Request) -> None:
+        self._rank.pop(req.seq, None)
+        self._stats(req.tenant).num_unfinished -= 1
+
+    def tenant_stats(self) -> dict[str, dict]:
+        return {t: {**s.as_dict(), "counter": self.counters.get(t, 0.0),
+                    "weight": self.weights.get(t, 1.0)} for t, s in self.stats.items()}
