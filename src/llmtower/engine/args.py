@@ -12,6 +12,8 @@ from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from llmtower.distributed.dp_group import DPGroupConfig
+    from llmtower.distributed.topology import DPTopology
     from llmtower.structured_output.manager import StructuredOutputsConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -105,6 +107,23 @@ class EngineArgs:
     data_parallel_size: int = _f(1, "engine processes behind `llmtower serve`, each with its own "
                                  "model copy and KV cache of --kv-cache-memory",
                                  aliases=["-dp"])
+    data_parallel_size_local: int = _f(0, "data-parallel engines on this host (0: all of "
+                                       "them); the others run on hosts started with --headless")
+    data_parallel_start_rank: int = _f(0, "first data-parallel rank of this host (a --headless "
+                                       "host: the ranks after the head's)")
+    data_parallel_address: str = _f("127.0.0.1", "the head host's address, which every host's "
+                                    "engines connect to (see docs/data_parallel.md)")
+    data_parallel_rpc_port: int = _f(13345, "first of the head's data-parallel ports: the "
+                                     "process group's store, then an input and an output port "
+                                     "per rank")
+    data_parallel_rank: int = _f(0, "this engine's rank; set by the server for each engine "
+                                 "process it starts, not by hand")
+    headless: bool = _f(False, "run only this host's data-parallel engines, no API server; they "
+                        "connect to --data-parallel-address")
+    dp_sync_interval: int = _f(32, "steps between two syncs (an all-reduce) of the "
+                               "data-parallel engines")
+    dp_timeout: float = _f(30.0, "seconds any wait on the data-parallel group or on a remote "
+                           "engine may take before that engine counts as lost", type=float)
     generation_config: str = _f("auto", "sampling defaults (temperature, top_p, top_k, min_p, "
                                 "repetition_penalty, max_new_tokens) for fields a request leaves "
                                 "out: 'auto' (the model's generation_config.json), 'vllm' (none) "
@@ -129,6 +148,31 @@ class EngineArgs:
         parse_bytes(self.swap_space)
         if self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads} is invalid: use 0 (all cores) or more")
+        if self.dp_sync_interval < 1:
+            raise ValueError(f"dp_sync_interval={self.dp_sync_interval} is invalid: use 1 or more")
+        if not self.dp_timeout > 0:
+            raise ValueError(f"dp_timeout={self.dp_timeout} is invalid: give seconds > 0")
+        self.topology()  # a data-parallel layout that cannot work fails here, with its reason
+
+    def topology(self) -> "DPTopology":
+        from llmtower.distributed.topology import DPTopology
+        return DPTopology(size=self.data_parallel_size,
+                          size_local=self.data_parallel_size_local or self.data_parallel_size,
+                          start_rank=self.data_parallel_start_rank,
+                          address=self.data_parallel_address,
+                          rpc_port=self.data_parallel_rpc_port, headless=self.headless)
+
+    def dp_group_config(self) -> "DPGroupConfig | None":
+        """How this engine joins the engines' process group (None: a single engine)."""
+        if self.data_parallel_size <= 1:
+            return None
+        from llmtower.distributed.dp_group import DPGroupConfig
+        topo = self.topology()
+        return DPGroupConfig(rank=self.data_parallel_rank, size=self.data_parallel_size,
+                             store_host=self.data_parallel_address,
+                             store_port=self.data_parallel_rpc_port,
+                             own_ip=topo.own_ip() if self.headless else self.data_parallel_address,
+                             sync_interval=self.dp_sync_interval, timeout_s=self.dp_timeout)
 
     @property
     def served_model_names(self) -> list[str]:

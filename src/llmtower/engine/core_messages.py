@@ -29,6 +29,8 @@ class OutputTag:
     UTILITY_RESULT = b"u"  # UtilityResult
     READY = b"r"  # EngineReady
     DEAD = b"d"  # EngineDead
+    HEARTBEAT = b"h"  # empty payload: the engine is alive (sent when nothing else was)
+    DP_EVENT = b"w"  # distributed.dp_group.DPEvent: a wave started, the DP group broke
 
 
 # The engine methods a client may call by name; anything else is refused, so a utility call
@@ -40,6 +42,11 @@ UTILITY_METHODS = frozenset({
     "ping",
     "kv_cache_snapshot",
     "defragment",
+    # data parallelism, answered by the engine process itself (distributed/dp_group.py)
+    "dp_set_membership",
+    "dp_start_wave",
+    "dp_status",
+    "dp_handshake",
 })
 
 

@@ -36,7 +36,13 @@ class CPUExecutor:
         self.kv_cache.swap_out(so.blocks_to_swap_out)
         self.kv_cache.swap_in(so.blocks_to_swap_in)
         self.kv_cache.copy(so.blocks_to_copy)
+        self.kv_cache.move(so.blocks_to_move)  # block tables: remapped by the runner
         return self.runner.execute_model(so)
+
+    def apply_block_moves(self, moves: list[tuple[int, int]]) -> None:
+        """An on-demand defragmentation between two steps: move the K/V, remap the tables."""
+        self.kv_cache.move(moves)
+        self.runner.batch.remap_block_ids(moves)
 
     def shutdown(self) -> None:
         pass

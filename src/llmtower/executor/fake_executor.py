@@ -17,6 +17,16 @@ import numpy as np
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
+def _allowed_token(bitmask_row: np.ndarray, tok: int, vocab_size: int) -> int:
+    """``tok`` if the grammar bitmask allows it, else the next allowed id (wrapping)."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    allowed = np.flatnonzero(bits)
+    if allowed.size == 0:
+        return tok
+    i = int(np.searchsorted(allowed, tok))
+    return int(allowed[i % allowed.size])
+
+
 def fake_next_token(token_ids, vocab_size: int) -> int:
     """The fake model: a deterministic function of the whole sequence."""
     return zlib.crc32(np.asarray(token_ids, dtype=np.int64).tobytes()) % vocab_size
@@ -58,6 +68,7 @@ class FakeExecutor:
             self.kv[dst] = self.cpu_kv[src]
         for src, dst in so.blocks_to_copy:
             self.kv[dst] = self.kv[src]
+        self.apply_block_moves(so.blocks_to_move)
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = _ReqState(list(new.prompt_token_ids),
                                               len(new.prompt_token_ids), list(new.block_ids),
@@ -69,6 +80,7 @@ class FakeExecutor:
                 st.token_ids = st.token_ids[:st.num_prompt] + list(c.new_token_ids)
             else:
                 st.block_ids.extend(c.new_block_ids)
+                st.token_ids.extend(c.new_token_ids)  # jump-forward tokens, if any
             st.num_computed = c.num_computed_tokens
         bs = self.block_size
         req_ids = list(so.num_scheduled_tokens)
@@ -92,9 +104,24 @@ class FakeExecutor:
             else:
                 seq = st.token_ids[-4:] + [end]
             tok = self.token_fn(rid, seq)
+            row = so.structured_output_request_ids.get(rid)
+            if row is not None:  # structured outputs: the nearest token the grammar allows
+                tok = _allowed_token(so.grammar_bitmask[row], tok, self.vocab_size)
             st.token_ids.append(tok)
             sampled.append([tok])
         return ModelRunnerOutput(req_ids, sampled)
+
+    def apply_block_moves(self, moves: list[tuple[int, int]]) -> None:
+        """The relocator's moves: gather every source, then scatter (a batch may rotate a
+        cycle), and rewrite the block tables the runner holds."""
+        if not moves:
+            return
+        src = np.array([s for s, _ in moves])
+        dst = np.array([d for _, d in moves])
+        self.kv[dst] = self.kv[src].copy()
+        remap = dict(moves)
+        for st in self.reqs.values():
+            st.block_ids = [remap.get(b, b) for b in st.block_ids]
 
     def shutdown(self) -> None:
         pass

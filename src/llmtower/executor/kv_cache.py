@@ -66,6 +66,11 @@ class KVCache:
         """(src, dst) device block pairs (copy-on-write)."""
         self._move(pairs, self.kv_caches, self.kv_caches, "copy")
 
+    def move(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) device block pairs of the relocator, one gather-then-scatter batch (a
+        batch may rotate blocks along a cycle)."""
+        self._move(pairs, self.kv_caches, self.kv_caches, "move")
+
     @staticmethod
     def _move(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor],
               dst_caches: list[torch.Tensor], what: str) -> None:

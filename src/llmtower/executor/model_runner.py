@@ -24,6 +24,8 @@ from llmtower.executor.sampler import Sampler
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
                                        decode_batch, decode_groups)
 from llmtower.models.llama import LlamaForCausalLM
+from llmtower.spec_decode.runner_step import SpecDecodeStep, expand_logits_indices
+from llmtower.structured_output.bitmask import apply_grammar_bitmask
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
 # L3 cache between the gather and the attention that reads it, large enough to keep the number
@@ -64,28 +66,40 @@ class ModelRunner:
                                    cfg.head_dim, bs, model.dtype, buffer_blocks,
                                    attention_backend)
         self.sampler = Sampler(seed)
+        # Speculative decoding (--speculative-config), set by the executor; None: off.
+        self.spec_decode: SpecDecodeStep | None = None
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
+        if so.blocks_to_move:  # before new requests join: their block ids are the moved ones
+            batch.remap_block_ids(so.blocks_to_move)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
         for c in so.scheduled_cached_reqs:
             batch.update_request(c)
         req_ids = list(so.num_scheduled_tokens)
+        spec = self.spec_decode
+        num_spec = spec.begin(so, req_ids, batch) if spec is not None else None
         if not req_ids:
             return ModelRunnerOutput([], [])
-        inputs = self._prepare_inputs(so, req_ids)
+        inputs = self._prepare_inputs(so, req_ids, num_spec)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
                             self.attn, inputs.meta, inputs.logits_indices)
+        if so.grammar_bitmask is not None:  # structured outputs: what the grammars allow
+            apply_grammar_bitmask(logits, so, req_ids, inputs.sample_mask)
+        if spec is not None:  # verify drafts, append accepted tokens, propose the next
+            return spec.sample(so, logits, req_ids, inputs.sample_mask, inputs.sample_rows,
+                               num_spec, batch, self.block_size)
         tokens, logprobs = self.sampler(logits, inputs.sample_rows, batch)
         batch.append_sampled(inputs.sample_rows, tokens)
         return self._output(req_ids, inputs.sample_mask, tokens, logprobs)
 
     # ------------------------------------------------------------------ step inputs
-    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str],
+                        num_spec: np.ndarray | None = None) -> StepInputs:
         batch, bs = self.batch, self.block_size
         n = len(req_ids)
         r2r = batch.req_id_to_row
@@ -94,6 +108,8 @@ class ModelRunner:
         start = batch.num_computed_tokens[rows]
         end = start + num_sched
         num_tokens = batch.num_tokens[rows]
+        if num_spec is not None:
+            num_tokens = num_tokens + num_spec  # draft tokens sit after the real ones
         if (end > num_tokens).any():
             bad = req_ids[int(np.flatnonzero(end > num_tokens)[0])]
             raise RuntimeError(f"request {bad!r} was scheduled past the tokens the runner holds: "
@@ -125,8 +141,11 @@ class ModelRunner:
         k = len(dec)
         self._plan_decodes(meta, o_rows[:k], o_end[:k])
         self._plan_prefills(meta, o_rows[k:], o_sched[k:], first[k:], o_start[k:], o_end[k:])
+        logits_rows = last_row[sample_mask]
+        if num_spec is not None:  # a request with k drafts is verified at its last k + 1 rows
+            logits_rows = expand_logits_indices(logits_rows, num_spec[sample_mask])
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                          torch.from_numpy(last_row[sample_mask]), sample_mask, rows[sample_mask])
+                          torch.from_numpy(logits_rows), sample_mask, rows[sample_mask])
 
     def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
         """The single-token queries: flat rows 0..len(rows), ascending context length."""
