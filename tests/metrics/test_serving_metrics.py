@@ -102,12 +102,14 @@ def test_finished_requests_feed_the_latency_and_size_histograms():
     assert s[("llmtower:request_queue_time_p99_seconds", ())] == pytest.approx(0.1)
 
 
-def test_every_finish_reason_and_fragmentation_kind_is_exported_from_the_start():
+def test_every_finish_reason_kind_and_rejection_reason_is_exported_from_the_start():
     s = _samples(ServingMetrics("m"))
     for reason in ("stop", "length", "abort"):
         assert s[("vllm:request_success_total", (("finished_reason", reason),))] == 0
     for kind in ("internal", "external"):
         assert s[("llmtower:kv_cache_fragmentation_ratio", (("kind", kind),))] == 0
+    for reason in ("admission", "queue_full", "invalid", "timeout"):
+        assert s[("vllm:admission_rejections_total", (("reason", reason),))] == 0
 
 
 def test_each_data_parallel_engine_has_its_own_series():

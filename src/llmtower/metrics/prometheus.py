@@ -40,6 +40,8 @@ prometheus_client.disable_created_metrics()
 # Finish reasons exported from the start at 0, so rate() and dashboards see every one.
 FINISH_REASONS = ("stop", "length", "abort")
 FRAGMENTATION_KINDS = ("internal", "external")
+# Why a request can be refused before it runs (engine RequestError kinds, and the API's timeout).
+REJECTION_REASONS = ("admission", "queue_full", "invalid", "timeout")
 QUEUE_TIME_P99_WINDOW_S = 60.0
 
 
@@ -222,6 +224,8 @@ class ServingMetrics:
         self.admission_rejections = Counter(
             "vllm:admission_rejections", "Requests refused before they ran, by reason.",
             ["model_name", "reason"], registry=reg)
+        for reason in REJECTION_REASONS:
+            self.admission_rejections.labels(model_name, reason)
         self._cache_config_info: Gauge | None = None
         self.engines: list[EngineSeries] = []
         for i in range(num_engines):

@@ -17,6 +17,7 @@ the figure is cheap enough for every stats snapshot even on 100k blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from llmtower.core.kv_cache.block_pool import BlockPool
 
@@ -50,15 +51,11 @@ def external_fragmentation(pool: BlockPool) -> float:
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """A block table as (first id, length) runs of consecutive ids, in table order."""
-    runs: list[tuple[int, int]] = []
-    start = prev = -2
-    for b in block_ids:
-        if b == prev + 1:
-            prev = b
-            continue
-        if start >= 0:
-            runs.append((start, prev - start + 1))
-        start = prev = b
-    if start >= 0:
-        runs.append((start, prev - start + 1))
-    return runs
+    if not block_ids:
+        return []
+    # Indices where a run starts: the first, and wherever an id does not follow the last.
+    starts = [0]
+    starts += [i for i, (prev, cur) in enumerate(pairwise(block_ids), 1)
+               if cur != prev + 1]
+    ends = starts[1:] + [len(block_ids)]
+    return [(block_ids[s], e - s) for s, e in zip(starts, ends)]

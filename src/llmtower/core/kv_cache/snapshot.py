@@ -126,11 +126,9 @@ def take_kv_cache_snapshot(scheduler: Scheduler, engine_index: int = 0) -> KVCac
     for req, status in holders:
         rid = req.request_id
         blocks = kv.req_to_blocks.get(rid, ())
-        ids = []
-        for b in blocks:
-            ids.append(b.block_id)
-            if b.ref_cnt > 1:
-                shared[b.block_id] = b.ref_cnt
+        # Comprehensions, not one loop with appends: this is the snapshot's hot part.
+        ids = [b.block_id for b in blocks]
+        shared.update([(b.block_id, b.ref_cnt) for b in blocks if b.ref_cnt > 1])
         cpu = kv.req_to_cpu_blocks.get(rid, ())
         for c in cpu:
             cpu_states[c] = swapped_b
