@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from llmtower.server.api_server import ServerSettings, run_server  # heavy imports
 
     resolve_model(args, DEFAULT_MODEL)
+    if args.headless:  # this host runs engines only; the head serves the API
+        from llmtower.distributed.headless import run_headless
+        return run_headless(EngineArgs.from_cli_args(args))
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               request_timeout=args.request_timeout,
                               max_request_body_bytes=args.max_request_body_bytes,

@@ -21,10 +21,10 @@ from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.outputs import EngineCoreOutputs, SchedulerStats
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core_client import EngineCoreClient, EngineDeadError
+from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineLostError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
-from llmtower.engine.dp_client import DPEngineCoreClient, merge_stats
+from llmtower.engine.dp_client import ENGINE_LOST, DPEngineCoreClient, merge_stats
 from llmtower.engine.input_processor import InputProcessor, load_generation_defaults
 from llmtower.engine.off_loop import OffLoopExecutor
 from llmtower.engine.output_processor import OutputProcessor
@@ -387,6 +387,8 @@ class AsyncLLM:
         exc: Exception
         if err.kind == "queue_full":
             exc = QueueFullError(err.message)
+        elif err.kind == ENGINE_LOST:
+            exc = EngineLostError(err.message)
         elif err.kind == "admission":
             exc = AdmissionError(err.message)
         else:

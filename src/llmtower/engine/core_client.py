@@ -15,6 +15,7 @@ import multiprocessing
 import shutil
 import signal
 import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest
+from llmtower.distributed.dp_group import DPEvent
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_messages import (EngineDead, EngineReady, InputTag, OutputTag,
                                            RequestError, UtilityCall, UtilityResult)
@@ -35,10 +37,16 @@ _DECODE_ERROR = msgspec.msgpack.Decoder(RequestError).decode
 _DECODE_UTILITY = msgspec.msgpack.Decoder(UtilityResult).decode
 _DECODE_READY = msgspec.msgpack.Decoder(EngineReady).decode
 _DECODE_DEAD = msgspec.msgpack.Decoder(EngineDead).decode
+_DECODE_DP_EVENT = msgspec.msgpack.Decoder(DPEvent).decode
 
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone; nothing can be served until the server restarts (HTTP 503)."""
+
+
+class EngineLostError(EngineDeadError):
+    """One data-parallel engine was lost while serving the request; the others still serve,
+    so the client may retry (HTTP 503 with Retry-After)."""
 
 
 class EngineStartupError(RuntimeError):
@@ -83,7 +91,9 @@ class EngineCoreClient:
         self._recv_task: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._closing = False
+        self._finished = False
         self._pending_sends: set[asyncio.Task] = set()
+        self.last_heard = time.monotonic()  # the engine's last message (heartbeats included)
 
     @property
     def is_dead(self) -> bool:
@@ -101,15 +111,7 @@ class EngineCoreClient:
         self._ipc_dir = tempfile.mkdtemp(prefix="llmtower-ipc-")
         input_address = f"ipc://{self._ipc_dir}/input.sock"
         output_address = f"ipc://{self._ipc_dir}/output.sock"
-        self._ctx = zmq.asyncio.Context()
-        self._in_sock = self._ctx.socket(zmq.PUSH)
-        self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.bind(input_address)
-        self._out_sock = self._ctx.socket(zmq.PULL)
-        self._out_sock.setsockopt(zmq.LINGER, 0)
-        self._out_sock.bind(output_address)
-        self._ready_future = self._loop.create_future()
-        self._recv_task = self._loop.create_task(self._recv_loop())
+        self._open_sockets(input_address, output_address)
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore",
@@ -128,6 +130,19 @@ class EngineCoreClient:
             raise EngineStartupError(f"the engine did not start within {timeout_s} s") from None
         return self.ready
 
+    def _open_sockets(self, input_address: str, output_address: str) -> None:
+        """Bind both sockets (the engine connects) and start receiving."""
+        assert self._loop is not None
+        self._ctx = zmq.asyncio.Context()
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.bind(input_address)
+        self._out_sock = self._ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.bind(output_address)
+        self._ready_future = self._loop.create_future()
+        self._recv_task = self._loop.create_task(self._recv_loop())
+
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
         await self._send(InputTag.ADD, request)
@@ -139,7 +154,7 @@ class EngineCoreClient:
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
         """Abort without awaiting, for cleanup paths that cannot await (a cancelled task, a
         closing generator). A PUSH socket below its high-water mark sends at once."""
-        if not request_ids or self.is_dead or self._in_sock is None:
+        if not request_ids or self.is_dead or self._closing or self._in_sock is None:
             return
         # zmq.asyncio reports a NOBLOCK failure (queue full) in the returned future.
         fut = self._in_sock.send_multipart(
@@ -176,7 +191,7 @@ class EngineCoreClient:
         await self._in_sock.send_multipart([tag, self._encoder.encode(msg)], copy=False)
 
     # ------------------------------------------------------------------ receive
-    async def get_output(self) -> EngineCoreOutputs | RequestError:
+    async def get_output(self) -> EngineCoreOutputs | RequestError | DPEvent:
         """The next step's outputs (or a request refused at admission), in engine order.
         Raises EngineDeadError once the engine is gone."""
         item = await self._outputs.get()
@@ -192,6 +207,7 @@ class EngineCoreClient:
                 tag, payload = await self._out_sock.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self.last_heard = time.monotonic()
             try:
                 self._dispatch(tag, payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -214,6 +230,8 @@ class EngineCoreClient:
             ready = _DECODE_READY(payload)
             if self._ready_future is not None and not self._ready_future.done():
                 self._ready_future.set_result(ready)
+        elif tag == OutputTag.DP_EVENT:  # for the data-parallel client, in stream order
+            self._outputs.put_nowait(_DECODE_DP_EVENT(payload))
         elif tag == OutputTag.DEAD:
             self._engine_error = _DECODE_DEAD(payload).reason
             logger.error("the engine reported a fatal error:\n%s", self._engine_error)
@@ -247,21 +265,40 @@ class EngineCoreClient:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine (politely, then by force), close the sockets, remove the ipc dir.
         Safe to call more than once and from a finally block."""
+        self.begin_shutdown()
+        self.finish_shutdown(timeout_s)
+
+    def begin_shutdown(self) -> None:
+        """Ask the engine to stop, without waiting (DP: every engine is asked first)."""
         if self._closing:
             return
         self._closing = True
         proc = self.proc
-        if proc is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                try:
-                    self._loop.remove_reader(proc.sentinel)
-                except (ValueError, OSError):
-                    pass
-            if proc.is_alive() and self._in_sock is not None:
-                try:
-                    self._in_sock.send_multipart([InputTag.SHUTDOWN, b""], flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+        if proc is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(proc.sentinel)
+            except (ValueError, OSError, RuntimeError):
+                pass
+        if proc.is_alive() and self._in_sock is not None and not self._in_sock.closed:
+            # A plain (blocking-API) send on the same socket: zmq.asyncio would report a full
+            # queue (zmq.Again) in a future nobody reads, printed as a traceback at exit.
+            try:
+                zmq.Socket.shadow(self._in_sock.underlying).send_multipart(
+                    [InputTag.SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # queue full or socket gone: the engine is terminated below instead
+
+    def finish_shutdown(self, timeout_s: float = 5.0) -> None:
+        """Wait for the engine to exit (else terminate, then kill it); close the sockets."""
+        if not self._closing:
+            self.begin_shutdown()
+        if self._finished:
+            return
+        self._finished = True
+        proc = self.proc
+        if proc is not None and proc.pid is not None:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.terminate()
@@ -271,6 +308,8 @@ class EngineCoreClient:
                 proc.join(2)
         if self._recv_task is not None:
             self._recv_task.cancel()
+        for task in list(self._pending_sends):
+            task.cancel()
         for sock in (self._in_sock, self._out_sock):
             if sock is not None:
                 sock.close(linger=0)

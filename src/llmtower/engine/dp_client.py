@@ -1,34 +1,52 @@
-"""Data parallelism: N engine processes behind one API server.
+"""Data parallelism: N engines (ranks) behind one API server, on this host or on several.
 
-  API process                                   engine processes (one model copy, one KV cache,
-  ┌──────────────────────────────────┐          one scheduler each)
-  │ AsyncLLM                         │ ──add──▶ EngineCore 0   (requests r1, r4, ...)
-  │  └ DPEngineCoreClient            │ ──add──▶ EngineCore 1   (requests r2, r3, ...)
-  │     ├ EngineCoreClient 0 ◀─outs──┤ ...
-  │     └ EngineCoreClient 1 ◀─outs──┤
-  └──────────────────────────────────┘
+  head host: API process                            engine processes (one model copy, one KV
+  ┌───────────────────────────────────────┐         cache, one scheduler each)
+  │ AsyncLLM                              │ ─ipc──▶ rank 0 ┐
+  │  └ DPEngineCoreClient (coordinator)   │ ─ipc──▶ rank 1 ├─ gloo process group: a sync
+  │     ├ EngineCoreClient     (local)    │                │  (all-reduce) every
+  │     ├ RemoteEngineClient   (TCP)      │ ─tcp──▶ rank 2 ┘  --dp-sync-interval steps
+  │     ├ Router (load + prefix affinity) │         (host B: llmtower serve --headless)
+  │     └ TCPStore of the process group   │
+  └───────────────────────────────────────┘
 
-Each request goes to the engine with the fewest requests in flight (ties: the next one in
-turn) and stays there: its aborts follow it, its outputs come back from it. The engines'
-output streams are merged into one, each batch tagged with its ``engine_index`` (stats
-snapshots too: the metrics keep one series per engine); ``merge_stats`` sums snapshots into
-one of the whole server (queues, blocks and counters; KV usage over all blocks). One engine
-dying makes the server dead, as with one engine: clients get 503 and the operator restarts it.
+Each request goes to the engine the ``Router`` picks (real load from the engines' stats, and
+prefix affinity) and stays there: its aborts follow it, its outputs come back from it. The
+output streams merge into one, each batch tagged with its ``engine_index`` (stats snapshots
+too: the metrics keep one series per engine); ``merge_stats`` sums snapshots into one of the
+whole server.
+
+The coordinator's other jobs: relay a wave start from one engine to all others (see
+``distributed/dp_group.py``), and keep membership. A lost engine (its process died, or a remote
+one went silent) does not take the server down: its requests fail with a retriable 503, new
+requests avoid it, ``/health`` says which ranks are gone, the survivors form a new process
+group (a new epoch), and a remote rank that comes back is taken in again.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
+import logging
 import os
+import time
 from typing import Any
 
 import msgspec
 
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from llmtower.distributed.dp_group import DPEvent, DPStatus
+from llmtower.distributed.remote_client import RemoteEngineClient
+from llmtower.distributed.routing import EngineLoad, Router
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+
+logger = logging.getLogger(__name__)
+
+# RequestError kind of a request whose engine was lost: HTTP 503, safe to retry.
+ENGINE_LOST = "engine_lost"
 
 
 def engine_threads(args: EngineArgs) -> int:
@@ -57,9 +75,10 @@ def merge_stats(snapshots: list[SchedulerStats], latest: SchedulerStats) -> Sche
 
 
 class DPEngineCoreClient:
-    """Owns N ``EngineCoreClient``s, which engine each request in flight lives on, how many
-    each engine holds, each engine's latest stats snapshot and the merged output queue. Has
-    the interface of ``EngineCoreClient``, so ``AsyncLLM`` does not know which it has."""
+    """Owns the N engine clients (local processes and remote ranks), which engine each request
+    in flight lives on, each engine's latest stats and load, the router, the merged output
+    queue, the process group's store and membership (epoch, lost ranks). Has the interface of
+    ``EngineCoreClient``, so ``AsyncLLM`` does not know which it has."""
 
     def __init__(self, engine_args: EngineArgs,
                  engine_factory: EngineFactory = default_engine_factory,
@@ -67,26 +86,43 @@ class DPEngineCoreClient:
         n = engine_args.data_parallel_size
         if n < 2:
             raise ValueError(f"data_parallel_size={n}: use EngineCoreClient for one engine")
-        one = dataclasses.replace(engine_args, data_parallel_size=1,
-                                  num_threads=engine_threads(engine_args))
+        if engine_args.headless:
+            raise ValueError("a --headless host runs no API server: use "
+                             "llmtower.distributed.headless.run_headless")
         self.engine_args = engine_args
-        self.clients = [EngineCoreClient(one, engine_factory, stats_interval_s) for _ in range(n)]
+        self.topology = engine_args.topology()
+        self.engine_factory = engine_factory
+        self.stats_interval_s = stats_interval_s
+        self.clients: list[EngineCoreClient] = [self._make_client(r) for r in range(n)]
         self.ready: EngineReady | None = None
-        self.in_flight = [0] * n
+        self.loads = [EngineLoad() for _ in range(n)]
+        self.router = Router(engine_args.block_size)
         self._owner: dict[str, int] = {}
-        self._next = 0  # tie-break: the next engine in turn
         self._stats: list[SchedulerStats] = [SchedulerStats() for _ in range(n)]
         self._outputs: asyncio.Queue = asyncio.Queue()
-        self._forwarders: list[asyncio.Task] = []
+        self._forwarders: dict[int, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
         self._dead_reason: str | None = None
+        self._store: Any = None  # the process group's TCPStore, hosted here
+        self.epoch = -1
+        self.lost: dict[int, str] = {}  # rank -> why it is gone
+        self.num_wave_starts = 0
+        self._closing = False
+
+    def _make_client(self, rank: int) -> EngineCoreClient:
+        if rank not in self.topology.local_ranks:
+            return RemoteEngineClient(self.engine_args, self.topology, rank)
+        args = dataclasses.replace(self.engine_args, data_parallel_rank=rank,
+                                   num_threads=engine_threads(self.engine_args))
+        return EngineCoreClient(args, self.engine_factory, self.stats_interval_s)
 
     # ------------------------------------------------------------------ state
     @property
+    def in_flight(self) -> list[int]:
+        return [load.in_flight for load in self.loads]
+
+    @property
     def dead_reason(self) -> str | None:
-        if self._dead_reason is None:
-            dead = next((c for c in self.clients if c.is_dead), None)
-            if dead is not None:
-                return dead.dead_reason
         return self._dead_reason
 
     @property
@@ -101,40 +137,97 @@ class DPEngineCoreClient:
     def pids(self) -> list[int | None]:
         return [c.pid for c in self.clients]
 
+    @property
+    def live_ranks(self) -> list[int]:
+        return [r for r in range(len(self.clients)) if r not in self.lost]
+
+    def health(self) -> dict[str, Any]:
+        """For /health: which ranks serve and which are gone (and why)."""
+        return {"status": "degraded" if self.lost else "ok",
+                "data_parallel_size": len(self.clients), "live_ranks": self.live_ranks,
+                "lost_ranks": {str(r): why for r, why in sorted(self.lost.items())},
+                "epoch": self.epoch}
+
     # ------------------------------------------------------------------ start
     async def start(self, timeout_s: float | None = None) -> EngineReady:
-        """Start every engine at once; if one fails, stop them all and raise its error."""
-        results = await asyncio.gather(*(c.start(timeout_s) for c in self.clients),
-                                       return_exceptions=True)
+        """Host the process group's store, start every local engine and wait for every
+        remote one; if one fails (or a remote rank does not arrive in time), stop them all
+        and raise an error that names the rank."""
+        self._start_store()
+        remote_timeout = timeout_s if timeout_s is not None else self.engine_args.dp_timeout * 4
+        results = await asyncio.gather(
+            *(c.start(remote_timeout if isinstance(c, RemoteEngineClient) else timeout_s)
+              for c in self.clients), return_exceptions=True)
         errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if errors:
             self.shutdown()
+            missing = [i for i, _ in errors]
             i, err = errors[0]
-            raise EngineStartupError(f"engine {i} of {len(self.clients)}: {err}") from None
+            raise EngineStartupError(
+                f"data-parallel rank(s) {missing} of {len(self.clients)} did not start; rank "
+                f"{i}: {err}") from None
         readies: list[EngineReady] = results  # type: ignore[assignment]
         self.ready = msgspec.structs.replace(
             readies[0], num_gpu_blocks=sum(r.num_gpu_blocks for r in readies))
+        self.router.block_size = readies[0].block_size
         loop = asyncio.get_running_loop()
-        self._forwarders = [loop.create_task(self._forward(i)) for i in range(len(self.clients))]
+        self._forwarders = {i: loop.create_task(self._forward(i))
+                            for i in range(len(self.clients))}
+        await self._set_membership()
         return self.ready
+
+    def _start_store(self) -> None:
+        import torch.distributed as dist
+        timeout = datetime.timedelta(seconds=self.engine_args.dp_timeout)
+        if self.topology.multi_host:
+            host, port = self.topology.address, self.topology.store_port
+        else:  # one host: any free port on loopback, handed to the engines as they start
+            host, port = "127.0.0.1", 0
+        try:
+            self._store = dist.TCPStore(host, port, None, True, timeout=timeout,
+                                        wait_for_workers=False)
+        except RuntimeError as e:
+            raise EngineStartupError(
+                f"cannot host the data-parallel store on {host}:{port}: {e}; pick another "
+                "--data-parallel-rpc-port or check --data-parallel-address") from None
+        for c in self.clients:
+            if not isinstance(c, RemoteEngineClient):
+                c.engine_args = dataclasses.replace(
+                    c.engine_args, data_parallel_address=host,
+                    data_parallel_rpc_port=self._store.port)
+
+    async def _set_membership(self) -> None:
+        """A new epoch: every live engine forms the process group of the live ranks."""
+        self.epoch += 1
+        epoch, members = self.epoch, self.live_ranks
+        logger.info("data-parallel epoch %d: ranks %s", epoch, members)
+        timeout = self.engine_args.dp_timeout * 2
+        results = await asyncio.gather(*(
+            self.clients[r].call_utility("dp_set_membership", epoch, members,
+                                         result_type=DPStatus, timeout_s=timeout)
+            for r in members), return_exceptions=True)
+        for r, res in zip(members, results):
+            if isinstance(res, BaseException) and epoch == self.epoch:
+                logger.error("rank %d did not join epoch %d: %s", r, epoch, res)
 
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
-        i = self._assign(request.request_id)
+        i = self._assign(request.request_id, request.prompt_token_ids)
         try:
             await self.clients[i].add_request(request)
         except BaseException:
             self._release(request.request_id)
             raise
 
-    def _assign(self, request_id: str) -> int:
-        """The engine with the fewest requests in flight, the next in turn among equals."""
-        n = len(self.clients)
-        order = [(self._next + k) % n for k in range(n)]
-        i = min(order, key=lambda e: self.in_flight[e])
-        self._next = (i + 1) % n
+    def _assign(self, request_id: str, token_ids: list[int] | None = None) -> int:
+        """The engine the router picks (least loaded, prefix affinity; ties in turn)."""
+        try:
+            i = self.router.choose(self.loads, token_ids)
+        except ValueError:
+            raise EngineDeadError("no data-parallel engine is alive: "
+                                  f"{self.health()['lost_ranks']}") from None
         self._owner[request_id] = i
-        self.in_flight[i] += 1
+        self.loads[i].in_flight += 1
         return i
 
     def engine_of(self, request_id: str) -> int | None:
@@ -144,14 +237,14 @@ class DPEngineCoreClient:
     def _release(self, request_id: str) -> int | None:
         i = self._owner.pop(request_id, None)
         if i is not None:
-            self.in_flight[i] -= 1
+            self.loads[i].in_flight -= 1
         return i
 
     def _by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
         groups: dict[int, list[str]] = {}
         for rid in request_ids:
             i = self._release(rid)
-            if i is not None:  # finished already: nothing to abort
+            if i is not None and i not in self.lost:  # finished or lost: nothing to abort
                 groups.setdefault(i, []).append(rid)
         return groups
 
@@ -165,16 +258,26 @@ class DPEngineCoreClient:
 
     async def call_utility(self, method: str, *args: Any, result_type: Any = Any,
                            timeout_s: float | None = None) -> Any:
-        """Run the utility on every engine; merge what they return (pings and stats add up)."""
-        results = await asyncio.gather(*(
-            c.call_utility(method, *args, result_type=result_type, timeout_s=timeout_s)
-            for c in self.clients))
+        """Run the utility on every live engine; merge what they return (pings and stats
+        add up)."""
+        results = await self.call_utility_each(method, *args, result_type=result_type,
+                                               timeout_s=timeout_s)
         if result_type is PingResult:
             return PingResult(sum(r.num_steps for r in results),
                               sum(r.num_unfinished_requests for r in results))
         if result_type is SchedulerStats:
             return merge_stats(results, results[0])
         return results[0]
+
+    async def call_utility_each(self, method: str, *args: Any, result_type: Any = Any,
+                                timeout_s: float | None = None) -> list[Any]:
+        """The utility's result from each live engine, in rank order."""
+        live = self.live_ranks
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no data-parallel engine is alive")
+        return list(await asyncio.gather(*(
+            self.clients[r].call_utility(method, *args, result_type=result_type,
+                                         timeout_s=timeout_s) for r in live)))
 
     # ------------------------------------------------------------------ receive
     async def get_output(self) -> EngineCoreOutputs | RequestError:
@@ -190,8 +293,11 @@ class DPEngineCoreClient:
             try:
                 item = await client.get_output()
             except EngineDeadError as e:
-                self._mark_dead(f"engine {i} of {len(self.clients)}: {e}")
+                self._lose(i, str(e))
                 return
+            if isinstance(item, DPEvent):
+                self._on_dp_event(i, item)
+                continue
             if isinstance(item, RequestError):
                 self._release(item.request_id)
             else:
@@ -202,8 +308,79 @@ class DPEngineCoreClient:
                 if item.scheduler_stats is not None:
                     # Passed on as the engine's own snapshot (tagged by engine_index): the
                     # metrics keep one series per engine; merge_stats() sums them.
-                    self._stats[i] = item.scheduler_stats
+                    st = self._stats[i] = item.scheduler_stats
+                    load = self.loads[i]
+                    load.waiting, load.running = st.num_waiting_reqs, st.num_running_reqs
+                    load.kv_usage = st.kv_cache_usage
             self._outputs.put_nowait(item)
+
+    # ------------------------------------------------------------------ waves and membership
+    def _on_dp_event(self, rank: int, event: DPEvent) -> None:
+        if event.epoch != self.epoch:
+            return  # about a group that no longer exists
+        if event.kind == "wave_started":
+            self.num_wave_starts += 1
+            for r in self.live_ranks:
+                if r != rank:
+                    self._spawn(self._call_quietly(r, "dp_start_wave", event.wave))
+        elif event.kind == "group_broken" and not self._closing:
+            logger.warning("rank %d reports the process group of epoch %d broken: %s", rank,
+                           event.epoch, event.detail.splitlines()[0] if event.detail else "")
+            self._spawn(self._set_membership())
+
+    async def _call_quietly(self, rank: int, method: str, *args: Any) -> None:
+        try:
+            await self.clients[rank].call_utility(method, *args,
+                                                  timeout_s=self.engine_args.dp_timeout)
+        except Exception as e:  # a lost engine is handled by its forwarder
+            logger.debug("utility %s on rank %d failed: %s", method, rank, e)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _lose(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` is gone: fail its requests (retriable), route around it, form the
+        group of the survivors, and wait for a remote rank to come back."""
+        if self._closing or rank in self.lost:
+            return
+        self.lost[rank] = reason
+        self.loads[rank].alive = False
+        self.router.forget_engine(rank)
+        failed = [rid for rid, e in self._owner.items() if e == rank]
+        logger.error("data-parallel rank %d lost (%s); failing its %d request(s), serving on "
+                     "ranks %s", rank, reason, len(failed), self.live_ranks)
+        for rid in failed:
+            self._release(rid)
+            self._outputs.put_nowait(RequestError(
+                rid, ENGINE_LOST, f"data-parallel rank {rank} was lost while serving this "
+                f"request ({reason}); retry it: other ranks are serving"))
+        self.loads[rank] = EngineLoad(alive=False)
+        self._stats[rank] = SchedulerStats()
+        if not self.live_ranks:
+            self._mark_dead(f"every data-parallel rank is lost; last: rank {rank}: {reason}")
+            return
+        self._spawn(self._set_membership())
+        if isinstance(self.clients[rank], RemoteEngineClient):
+            self._spawn(self._rejoin(rank))
+
+    async def _rejoin(self, rank: int) -> None:
+        """Wait (for ever) for a restarted remote rank, then take it in again."""
+        self.clients[rank].shutdown(timeout_s=0)
+        client = RemoteEngineClient(self.engine_args, self.topology, rank)
+        self.clients[rank] = client
+        try:
+            await client.start(timeout_s=None)
+        except (EngineStartupError, asyncio.CancelledError):
+            return
+        if self._closing:
+            return
+        logger.info("data-parallel rank %d is back", rank)
+        del self.lost[rank]
+        self.loads[rank] = EngineLoad()
+        self._forwarders[rank] = asyncio.get_running_loop().create_task(self._forward(rank))
+        await self._set_membership()
 
     # ------------------------------------------------------------------ death and shutdown
     def _mark_dead(self, reason: str) -> None:
@@ -213,9 +390,14 @@ class DPEngineCoreClient:
         self._outputs.put_nowait(EngineDeadError(reason))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        for task in self._forwarders:
+        self._closing = True
+        for task in [*self._forwarders.values(), *self._background]:
             task.cancel()
+        # Ask every engine first, then wait: they stop in parallel, not one after another.
         for c in self.clients:
-            c.shutdown(timeout_s)
+            c.begin_shutdown()
+        for c in self.clients:
+            c.finish_shutdown(timeout_s)
+        self._store = None
         if self._dead_reason is None:
             self._dead_reason = "the engines were shut down"

@@ -46,6 +46,9 @@ class RequestState:
         # What DELTA outputs have already sent.
         self.sent_tokens = 0
         self.sent_chars = 0
+        # A DELTA output says "finished" once: a finished sibling of an n > 1 request must not
+        # repeat its last delta each time another sample advances.
+        self.sent_finish = False
 
     @property
     def finished(self) -> bool:
@@ -112,7 +115,8 @@ class RequestState:
                                     list(self.logprobs) if self.logprobs is not None else None,
                                     self.finish_reason, self.stop_reason)
         n_tok = len(self.token_ids)
-        if visible == self.sent_chars and n_tok == self.sent_tokens and not self.finished:
+        if (visible == self.sent_chars and n_tok == self.sent_tokens
+                and (not self.finished or self.sent_finish)):
             return None
         out = CompletionOutput(
             self.index, self.text[self.sent_chars:visible], self.token_ids[self.sent_tokens:],
@@ -120,6 +124,7 @@ class RequestState:
             self.logprobs[self.sent_tokens:] if self.logprobs is not None else None,
             self.finish_reason, self.stop_reason)
         self.sent_chars, self.sent_tokens = visible, n_tok
+        self.sent_finish = self.finished
         return out
 
     def _add_logprobs(self, entries: list[tuple[int, float, int, list[tuple[int, float]]]]) -> None:

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmtower.core.errors import AdmissionError, QueueFullError
-from llmtower.engine.async_llm import RequestTimeoutError
-from llmtower.engine.core_client import EngineDeadError
+from llmtower.engine.async_llm import RequestTimeoutError, ServerShuttingDownError
+from llmtower.engine.core_client import EngineDeadError, EngineLostError
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 _TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error",
     405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
     429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable_error",
 }
@@ -63,8 +64,13 @@ def to_api_error(exc: BaseException) -> APIError:
     """The HTTP form of any exception a handler or the engine may raise."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineLostError):
+        return APIError(str(exc), 503, code="engine_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return APIError(f"the engine is not running: {exc}", 503, code="engine_dead")
+    if isinstance(exc, ServerShuttingDownError):
+        return APIError(str(exc), 503, code="server_shutting_down")
     if isinstance(exc, QueueFullError):
         return APIError(str(exc), 429, code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -118,6 +124,6 @@ def install_exception_handlers(app: FastAPI) -> None:
     # Registered one by one: a handler for plain Exception runs in Starlette's outermost
     # middleware, which logs and re-raises even after answering.
     for exc_type in (APIError, EngineDeadError, QueueFullError, RequestTimeoutError,
-                     AdmissionError, ValueError):
+                     AdmissionError, ValueError, ServerShuttingDownError):
         app.add_exception_handler(exc_type, _known)
     app.add_exception_handler(Exception, _known)
