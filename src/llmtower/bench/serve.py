@@ -24,10 +24,16 @@ from llmtower.bench.serve_metrics import compute_metrics, format_report, parse_g
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server address (default: http://127.0.0.1:8000)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--base-url", default=None,
+                   help="server address (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="server host (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="server port (default: 8000)")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="openai",
+                   help="request format, as vLLM names it: 'openai' (completions, prompt "
+                   "text) or 'openai-chat' (chat messages) (default: openai)")
+    p.add_argument("--endpoint", default=None, metavar="PATH",
+                   help="path to POST to (default: /v1/completions for openai, "
+                   "/v1/chat/completions for openai-chat)")
     p.add_argument("--model", default=None,
                    help="model name to send (default: the first of the server's /v1/models)")
     p.add_argument("--tokenizer", default=None,
@@ -71,12 +77,40 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+# --backend -> the request format; "vllm" is vLLM's alias of "openai".
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+DEFAULT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(base URL, request format "completions" | "chat", URL to POST to) from --base-url /
+    --host / --port, --backend and --endpoint. The earlier ``--endpoint completions|chat``
+    still means a format."""
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    kind = BACKENDS[args.backend]
+    path = args.endpoint
+    if path in DEFAULT_PATHS:  # the old spelling: a format, not a path
+        kind, path = path, None
+    path = path or DEFAULT_PATHS[kind]
+    if not path.startswith("/"):
+        raise ValueError(f"--endpoint {path!r} must be a path such as /v1/completions")
+    return base, kind, base + path
+
+
 def run(args: argparse.Namespace) -> int:
+    import aiohttp
+
     try:
         return asyncio.run(_run(args))
     except ValueError as e:
         print(f"llmtower bench serve: error: {e}", file=sys.stderr)
         return 2
+    except (aiohttp.ClientConnectionError, ConnectionError) as e:
+        base, _, _ = resolve_target(args)
+        print(f"llmtower bench serve: error: cannot reach a server at {base} ({e.__class__.__name__}"
+              f"); start one with `llmtower serve`, or pass --base-url / --host / --port",
+              file=sys.stderr)
+        return 1
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -87,7 +121,8 @@ async def _run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     slos = parse_goodput(args.goodput)
-    base = args.base_url.rstrip("/")
+    base, kind, url = resolve_target(args)
+    args.endpoint, args.base_url = kind, base  # what the request builder and result file read
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
@@ -96,7 +131,6 @@ async def _run(args: argparse.Namespace) -> int:
         tokenizer = _load_tokenizer(args.tokenizer or model, required=args.dataset_name == "random"
                                     and not args.dataset_path)
         requests = _make_requests(args, tokenizer)
-        url = f"{base}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
 
         def payload(r: BenchRequest) -> dict[str, Any]:
             return build_payload(args.endpoint, model, r, args.ignore_eos, args.temperature)
@@ -194,7 +228,7 @@ def _save(args, model: str, figures: dict[str, Any]) -> None:
     path = Path(args.result_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in (
-        "base_url", "endpoint", "dataset_name", "dataset_path", "random_input_len",
+        "base_url", "backend", "endpoint", "dataset_name", "dataset_path", "random_input_len",
         "random_output_len", "random_range_ratio", "random_prefix_len", "num_prompts",
         "burstiness", "max_concurrency", "seed", "temperature", "ignore_eos", "goodput")}
     config["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
