@@ -17,6 +17,7 @@ from __future__ import annotations
 from llmtower.core.config import CacheConfig
 from llmtower.core.kv_cache.block_hash import extend_block_hashes
 from llmtower.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmtower.core.kv_cache.pinned import PinnedBlocks
 from llmtower.core.request import Request
 
 
@@ -39,6 +40,9 @@ class KVCacheManager:
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # Preloaded prefixes kept out of eviction (0: up to a quarter of the blocks).
+        self.pinned = PinnedBlocks(self.pool, cache_config.max_pinned_blocks
+                                   or max(1, cache_config.num_blocks // 4))
 
     # ------------------------------------------------------------------ prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -151,7 +155,10 @@ class KVCacheManager:
 
     def block_tables(self) -> list[list[KVCacheBlock]]:
         """Every holder's device blocks (what the relocator packs)."""
-        return list(self.req_to_blocks.values())
+        tables = list(self.req_to_blocks.values())
+        if self.pinned.blocks:
+            tables.append(self.pinned.blocks)
+        return tables
 
     def free_blocks_beyond(self, request: Request, num_tokens: int) -> int:
         """Release the request's blocks past the first ``ceil(num_tokens / block_size)``

@@ -1,0 +1,162 @@
+"""The model runner's side of speculative decoding, in one place so the runner only calls it.
+
+Per step, around the runner's own forward pass:
+  1. ``begin``: forget finished requests; write each scheduled request's draft tokens into its
+     row after its real tokens (so the flat batch reads them as input ids) and return how many
+     each request has;
+  2. the runner builds the flat batch counting the drafts, and ``logits_indices`` asks for the
+     logits of every draft position (``expand_logits_indices``): request r with k drafts gets
+     k + 1 rows (its last real token and each draft);
+  3. ``sample``: requests without drafts go through the plain sampler; the others through the
+     rejection sampler; accepted tokens are appended to the rows, the rows' progress is rolled
+     back past the rejected drafts and block tables drop the blocks that held only rejected
+     tokens (the scheduler frees the same blocks: ``blocks_for_tokens``); then the proposer
+     drafts the next tokens of every sampled request, as many as the adaptive length allows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmtower.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from llmtower.executor.input_batch import InputBatch
+from llmtower.executor.rejection_sampler import RejectionSampler
+from llmtower.executor.sampler import Sampler
+from llmtower.spec_decode.adaptive import AdaptiveDraftLength
+from llmtower.spec_decode.config import SpeculativeConfig
+from llmtower.spec_decode.proposer import Proposer, make_proposer
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """KV blocks a request keeps after a verification: those of its real tokens. The
+    scheduler and the runner both trim to this, so their block tables stay equal."""
+    return -(-num_tokens // block_size)
+
+
+def expand_logits_indices(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Flat-batch rows to take logits from: for each sampled request, its last k + 1 rows."""
+    counts = num_drafts + 1
+    starts = np.repeat(last_rows - num_drafts, counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return starts + within
+
+
+class SpecDecodeStep:
+    """Owns the proposer, the per-request adaptive draft lengths and the rejection sampler."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.adaptive = AdaptiveDraftLength(config.num_speculative_tokens,
+                                            config.adaptive_min_acceptance, config.adaptive)
+        self.sampler = sampler
+        self.rejection = RejectionSampler(sampler.generator)
+        self.max_model_len = max_model_len
+
+    # ------------------------------------------------------------------ before the forward
+    def begin(self, so: SchedulerOutput, req_ids: list[str], batch: InputBatch) -> np.ndarray:
+        for rid in so.finished_req_ids:
+            self.proposer.remove(rid)
+            self.adaptive.remove(rid)
+        num_spec = np.zeros(len(req_ids), dtype=np.int64)
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            index = {rid: i for i, rid in enumerate(req_ids)}
+            r2r = batch.req_id_to_row
+            for rid, draft in spec.items():
+                if not draft:
+                    continue
+                row = r2r[rid]
+                n = int(batch.num_tokens[row])
+                if n + len(draft) > self.max_model_len:
+                    raise RuntimeError(f"request {rid!r}: {len(draft)} draft tokens after {n} "
+                                       f"tokens pass max_model_len={self.max_model_len}")
+                batch.token_ids[row, n:n + len(draft)] = draft
+                num_spec[index[rid]] = len(draft)
+        return num_spec
+
+    # ------------------------------------------------------------------ after the forward
+    def sample(self, so: SchedulerOutput, logits: torch.Tensor, req_ids: list[str],
+               sample_mask: np.ndarray, rows: np.ndarray, num_spec: np.ndarray,
+               batch: InputBatch, block_size: int) -> ModelRunnerOutput:
+        """``logits``: k_i + 1 rows per sampled request (in ``req_ids`` order), ``rows``
+        their InputBatch rows, ``num_spec`` drafts per scheduled request."""
+        k = num_spec[sample_mask]
+        counts = k + 1
+        offsets = np.cumsum(counts) - counts
+        sampled_idx = np.flatnonzero(sample_mask)
+        results: list[list[int]] = [[] for _ in range(len(rows))]
+        plain = np.flatnonzero(k == 0)
+        plain_lp = None
+        if plain.size:
+            tokens, plain_lp = self.sampler(logits[torch.from_numpy(offsets[plain])],
+                                            rows[plain], batch)
+            for j, t in zip(plain.tolist(), tokens.tolist()):
+                results[j] = [t]
+        drafted = np.flatnonzero(k > 0)
+        if drafted.size:
+            spec = so.scheduled_spec_decode_tokens
+            drafts = [spec[req_ids[sampled_idx[j]]] for j in drafted.tolist()]
+            accepted = self.rejection(logits, offsets[drafted], drafts, rows[drafted], batch)
+            for j, toks, d in zip(drafted.tolist(), accepted, drafts):
+                results[j] = toks
+                self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1)
+        self._append(results, rows, k, batch, block_size)
+        spec_out = self._propose(req_ids, sampled_idx, rows, batch)
+        return self._output(req_ids, sampled_idx, results, plain, plain_lp, spec_out)
+
+    def _append(self, results: list[list[int]], rows: np.ndarray, k: np.ndarray,
+                batch: InputBatch, block_size: int) -> None:
+        max_len = self.max_model_len
+        for j, toks in enumerate(results):
+            row = int(rows[j])
+            n = int(batch.num_tokens[row])
+            m = min(len(toks), max_len - n)
+            if m > 0:
+                batch.token_ids[row, n:n + m] = toks[:m]
+            batch.num_tokens[row] = n + max(m, 0)
+            kj = int(k[j])
+            if kj:
+                rejected = kj + 1 - len(toks)
+                batch.num_computed_tokens[row] -= rejected
+                keep = blocks_for_tokens(int(batch.num_tokens[row]), block_size)
+                if keep < batch.num_blocks[row]:
+                    batch.num_blocks[row] = keep
+
+    def _propose(self, req_ids: list[str], sampled_idx: np.ndarray, rows: np.ndarray,
+                 batch: InputBatch) -> list[list[int]]:
+        ids, hists, ks, where = [], [], [], []
+        for j, i in enumerate(sampled_idx.tolist()):
+            row = int(rows[j])
+            if batch.needs_processing[row]:
+                continue  # penalties / min_tokens / logprobs: plain decoding only
+            rid = req_ids[i]
+            n = int(batch.num_tokens[row])
+            kk = min(self.adaptive.num_drafts(rid), self.max_model_len - n)
+            if kk <= 0:
+                continue
+            ids.append(rid)
+            hists.append(batch.token_ids[row, :n])
+            ks.append(kk)
+            where.append(i)
+        out: list[list[int]] = [[] for _ in req_ids]
+        if ids:
+            for i, d in zip(where, self.proposer.propose(ids, hists, ks)):
+                out[i] = d
+        return out
+
+    @staticmethod
+    def _output(req_ids: list[str], sampled_idx: np.ndarray, results: list[list[int]],
+                plain: np.ndarray, plain_lp: list[LogprobsEntry | None] | None,
+                spec_out: list[list[int]]) -> ModelRunnerOutput:
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        for j, i in enumerate(sampled_idx.tolist()):
+            sampled[i] = results[j]
+        out_lp: list[list[LogprobsEntry]] | None = None
+        if plain_lp is not None:
+            out_lp = [[] for _ in req_ids]
+            for j, e in zip(plain.tolist(), plain_lp):
+                if e is not None:
+                    out_lp[int(sampled_idx[j])].append(e)
+        return ModelRunnerOutput(req_ids, sampled, out_lp, spec_token_ids=spec_out)
