@@ -25,6 +25,7 @@ _SKIP_ENGINE_ARGS = ("model", "tokenizer", "served_model_name", "dtype", "num_th
 _NOT_COMPARABLE = {"trace", "rate", "num_requests", "burstiness", "input_len", "output_len",
                    "priority_mix", "tenants", "num_prefix_groups", "prefix_len", "seed",
                    "save_trace", "compare", "plot", "output_json", "handler", "command",
+                   "disable_progress",
                    "simulate_command"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -87,6 +88,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                      help="goodput objectives: ttft:MS tpot:MS e2el:MS")
     out.add_argument("--plot", default=None, help="PNG with latency CDFs and timelines")
     out.add_argument("--output-json", default=None, help="save every result as JSON")
+    out.add_argument("--disable-progress", action="store_true",
+                     help="no progress bar (it is written to stderr, simulated time against "
+                     "the trace's last arrival)")
     EngineArgs.add_cli_args(p, skip=_SKIP_ENGINE_ARGS)
 
 
@@ -157,6 +161,30 @@ def variant_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace, f
     return parser.parse_args(argv, namespace=copy.copy(ns))
 
 
+class _ProgressBar:
+    """A tqdm bar over the requests of one simulation, on stderr, that also shows the
+    simulated clock against the trace's last arrival (the end of the offered load)."""
+
+    def __init__(self, trace, desc: str, disable: bool) -> None:
+        from tqdm.auto import tqdm
+        self.trace_end = trace[-1].arrival_time if trace else 0.0
+        self.bar = tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr,
+                        disable=disable, dynamic_ncols=True, leave=False)
+
+    def update(self, simulated_now: float, num_done: int) -> None:
+        self.bar.n = num_done
+        end = f"{self.trace_end:.1f}" if math.isfinite(self.trace_end) else "0"
+        self.bar.set_postfix_str(f"simulated {simulated_now:.1f} s / trace end {end} s",
+                                 refresh=False)
+        self.bar.refresh()
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
 # ---------------------------------------------------------------------- command
 def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from llmtower.sim.report import build_result, format_compare_table, format_result, save_json
@@ -170,7 +198,10 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     results = []
     for label, vns in variants:
         sim = Simulator(sim_config_from(vns))
-        res = build_result(sim.run(trace))
+        with _ProgressBar(trace, f"{field}={label}" if field else "simulating",
+                          ns.disable_progress) as bar:
+            stats = sim.run(trace, progress=bar.update)
+        res = build_result(stats)
         results.append((label, res))
         if res.summary["unfinished"]:
             print(f"warning: {res.summary['unfinished']} requests never finished"

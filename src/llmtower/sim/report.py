@@ -158,7 +158,7 @@ def format_result(res: SimResult, title: str = "Simulation Result") -> str:
     lines = [f"{' ' + title + ' ':=^52}",
              _row("Successful requests:", s["completed"], "{}"),
              _row("Rejected requests:", s["rejected"], "{}"),
-             _row("Benchmark duration (s):", s["duration_s"]),
+             _row("Simulated duration (s):", s["duration_s"]),
              _row("Total input tokens:", s["total_input_tokens"], "{}"),
              _row("Total generated tokens:", s["total_output_tokens"], "{}"),
              _row("Request throughput (req/s):", s["request_throughput"]),

@@ -17,6 +17,7 @@ import heapq
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.request import Request
@@ -30,6 +31,9 @@ from llmtower.sim.prompts import PromptFactory
 from llmtower.sim.workload import TraceRequest
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# progress(simulated seconds, requests done); called every PROGRESS_EVERY events.
+ProgressFn = Callable[[float, int], None]
+PROGRESS_EVERY = 4096
 
 
 @dataclass
@@ -102,14 +106,17 @@ class Simulator:
         self.scheduler_config = eng.create_scheduler_config(self.max_model_len)
         self.cache_config = eng.create_cache_config(self.num_blocks, self.num_cpu_blocks)
 
-    def run(self, trace: list[TraceRequest]) -> RunStats:
+    def run(self, trace: list[TraceRequest], progress: ProgressFn | None = None) -> RunStats:
+        """Replay ``trace``; ``progress(simulated_now, num_finished)`` is called every few
+        thousand events (for a progress bar) and once at the end."""
         cfg = self.config
         replicas = [Replica(i, self.scheduler_config, self.cache_config, self.cost_model)
                     for i in range(cfg.num_replicas)]
         with _few_gc_passes():
-            return self._run(trace, replicas)
+            return self._run(trace, replicas, progress)
 
-    def _run(self, trace: list[TraceRequest], replicas: list[Replica]) -> RunStats:
+    def _run(self, trace: list[TraceRequest], replicas: list[Replica],
+             progress: ProgressFn | None = None) -> RunStats:
         cfg = self.config
         balancer = make_load_balancer(cfg.load_balancer)
         metrics = MetricsCollector(cfg.num_replicas)
@@ -124,6 +131,9 @@ class Simulator:
         t0 = time.perf_counter()
         while i < n or heap:
             events += 1
+            if progress is not None and events % PROGRESS_EVERY == 0:
+                now = heap[0][0] if heap else trace[i].arrival_time
+                progress(now, i - metrics.num_unfinished)
             if i < n and (not heap or trace[i].arrival_time <= heap[0][0]):
                 tr = trace[i]
                 rep = replicas[balancer.choose(replicas)]
@@ -152,6 +162,8 @@ class Simulator:
             if self._start_step(rep, t, metrics):
                 heapq.heappush(heap, (rep.clock.now, seq, ri))
                 seq += 1
+        if progress is not None:
+            progress(max((r.clock.now for r in replicas), default=0.0), n - metrics.num_unfinished)
         return RunStats(cfg, self.device, self.model, self.num_blocks, self.num_cpu_blocks,
                         self.max_model_len, trace, metrics, replicas,
                         time.perf_counter() - t0, events)
