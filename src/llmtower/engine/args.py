@@ -32,6 +32,65 @@ def parse_bytes(text: str | int | float) -> int:
     return int(value * mult)
 
 
+def parse_swap_space(text: str | int | float) -> int:
+    """--swap-space as vLLM reads it: a bare number is GiB ('4' -> 4 GiB); a size with a unit
+    ('512MiB', '2GB') is taken as written."""
+    if isinstance(text, (int, float)) or re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", text):
+        return int(float(text) * 2**30)
+    return parse_bytes(text)
+
+
+# Lowest value of each numeric setting (the dataclass checks them itself: LLM(...) and the
+# config file do not go through argparse).
+_MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 0,
+            "num_gpu_blocks": 0, "num_threads": 0, "max_num_partial_prefills": 1,
+            "long_prefill_token_threshold": 0, "max_num_queued_reqs": 0,
+            "max_num_queued_tokens": 0, "max_bypass": 0, "data_parallel_size": 1,
+            "max_block_moves_per_step": 1}
+
+
+def _check_field_values(args: "EngineArgs") -> None:
+    """Every choice-valued and numeric field, with a message that says what to change."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            flag = "--" + f.name.replace("_", "-")
+            extra = (" (float16 does not run on this CPU engine: oneDNN has no float16 "
+                     "kernels for it; use bfloat16 for half the memory)"
+                     if f.name == "dtype" and value in ("float16", "half", "fp16") else "")
+            raise ValueError(f"{f.name}={value!r} is invalid{extra}: {flag} must be one of "
+                             f"{', '.join(map(repr, choices))}")
+        low = _MINIMUM.get(f.name)
+        if low is not None and not (isinstance(value, int) and value >= low):
+            raise ValueError(f"{f.name}={value!r} is invalid: it must be an integer >= {low}")
+
+
+def parse_tenant_weights(text: str | dict | None) -> dict[str, float]:
+    """'a=2,b=1' (or a dict) -> {'a': 2.0, 'b': 1.0}: --policy fair's tenant weights."""
+    if not text:
+        return {}
+    if isinstance(text, dict):
+        items = list(text.items())
+    else:
+        items = []
+        for part in text.split(","):
+            name, sep, w = part.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"tenant_weights={text!r} is invalid: write tenant=weight "
+                                 "pairs separated by commas, e.g. a=2,b=1")
+            items.append((name.strip(), w))
+    out = {}
+    for name, w in items:
+        try:
+            out[str(name)] = float(w)
+        except (TypeError, ValueError):
+            raise ValueError(f"tenant_weights: the weight of {name!r} is {w!r}, not a number") from None
+        if not out[str(name)] > 0:
+            raise ValueError(f"tenant_weights: the weight of {name!r} must be > 0, not {w!r}")
+    return out
+
+
 def parse_token_count(text: str | int) -> int:
     """A token count as vLLM reads it: '4096', '4k' (4000), '4K' (4096), '1m', '1M', '25.6k'."""
     if isinstance(text, int):
@@ -82,7 +141,8 @@ class EngineArgs:
                               aliases=["--kv-cache-memory-bytes"])
     num_gpu_blocks: int = _f(0, "explicit number of KV blocks (0: size from --kv-cache-memory)",
                              aliases=["--num-gpu-blocks-override"])
-    swap_space: str = _f("1GiB", "CPU swap space for preemption_mode=swap, e.g. 4GiB")
+    swap_space: str = _f("1GiB", "CPU swap space for preemption_mode=swap: a bare number is GiB "
+                         "(as in vLLM: 4 = 4GiB), or a size such as 512MiB")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps")
     kv_allocator: str = _f("plain", "KV block allocation: 'plain' (the block pool) or 'relocator' "
@@ -92,11 +152,23 @@ class EngineArgs:
     fragmentation_threshold: float = _f(0.5, "relocator: start moving blocks when the layout "
                                         "fragmentation passes this (0..1)", type=float)
     max_block_moves_per_step: int = _f(64, "relocator: most block copies per step")
+    max_pinned_blocks: int = _f(0, "most KV blocks that preloaded prompts may pin against "
+                                "eviction (0: a quarter of the KV blocks)")
+    preload_prompts: str | None = _f(None, "serve: a prompts file (one per line, or JSONL with "
+                                     "'prompt' or 'messages') whose KV is computed into the "
+                                     "prefix cache at start, before serving")
+    preload_pin: bool = _f(False, "serve: pin the --preload-prompts blocks against eviction")
     max_num_seqs: int = _f(256, "most requests running at once")
     max_num_batched_tokens: int = _f(2048, "token budget of one forward pass, e.g. 2048 or 2K",
                                      type=parse_token_count)
-    policy: str = _f("fcfs", "waiting-queue policy", choices=["fcfs", "priority", "sjf"],
-                     aliases=["--scheduling-policy"])
+    policy: str = _f("fcfs", "waiting-queue policy: fcfs, priority, sjf (shortest predicted "
+                     "job first) or fair (per-tenant Virtual Token Counter)",
+                     choices=["fcfs", "priority", "sjf", "fair"], aliases=["--scheduling-policy"])
+    preemption_victim: str = _f("priority", "which running request is preempted: the lowest "
+                                "priority, latest arrival ('priority') or, among the lowest "
+                                "priority, the most predicted remaining work ('remaining')",
+                                choices=["priority", "remaining"])
+    tenant_weights: str = _f("", "--policy fair: tenant weights, e.g. a=2,b=1 (others: 1)")
     preemption_mode: str = _f("recompute", "how to preempt when KV blocks run out",
                               choices=["recompute", "swap"])
     long_prefill_token_threshold: int = _f(0, "most prompt tokens one request gets per step (0: no cap)")
@@ -145,7 +217,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
         self.speculative  # a bad --speculative-config fails here, at start-up
-        parse_bytes(self.swap_space)
+        parse_swap_space(self.swap_space)
+        _check_field_values(self)
+        parse_tenant_weights(self.tenant_weights)
         if self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads} is invalid: use 0 (all cores) or more")
         if self.dp_sync_interval < 1:
@@ -197,7 +271,8 @@ class EngineArgs:
     def threads(self) -> int:
         return self.num_threads or (os.cpu_count() or 1)
 
-    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def create_scheduler_config(self, max_model_len: int,
+                                max_model_len_reason: str = "") -> SchedulerConfig:
         batched = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)
@@ -209,7 +284,10 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_num_queued_reqs=self.max_num_queued_reqs,
-            max_num_queued_tokens=self.max_num_queued_tokens, max_bypass=self.max_bypass)
+            max_num_queued_tokens=self.max_num_queued_tokens, max_bypass=self.max_bypass,
+            preemption_victim=self.preemption_victim,  # type: ignore[arg-type]
+            tenant_weights=parse_tenant_weights(self.tenant_weights),
+            max_model_len_reason=max_model_len_reason)
 
     def create_cache_config(self, num_blocks: int, num_cpu_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
@@ -217,7 +295,8 @@ class EngineArgs:
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_allocator=self.kv_allocator,  # type: ignore[arg-type]
                            fragmentation_threshold=self.fragmentation_threshold,
-                           max_block_moves_per_step=self.max_block_moves_per_step)
+                           max_block_moves_per_step=self.max_block_moves_per_step,
+                           max_pinned_blocks=self.max_pinned_blocks)
 
     # ------------------------------------------------------------------ CLI
     @classmethod

@@ -42,6 +42,9 @@ UTILITY_METHODS = frozenset({
     "ping",
     "kv_cache_snapshot",
     "defragment",
+    "preload",
+    "preload_status",
+    "unpin",
     # data parallelism, answered by the engine process itself (distributed/dp_group.py)
     "dp_set_membership",
     "dp_start_wave",

@@ -30,6 +30,7 @@ import zmq
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from llmtower.distributed.dp_group import DPGroup, DPStatus
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.core_messages import (UTILITY_METHODS, EngineDead, EngineReady, InputTag,
@@ -42,6 +43,11 @@ EngineFactory = Callable[[EngineArgs], EngineCore]
 
 # How often the input thread wakes up to check that the parent (API) process is still alive.
 PARENT_POLL_MS = 1000
+# The output thread sends a heartbeat after this long without sending anything: a head on
+# another host has no process handle to watch, only this.
+HEARTBEAT_S = 1.0
+# An engine that has no work but takes part in a data-parallel wave polls its input this often.
+DP_IDLE_POLL_S = 0.002
 _STOP = object()  # tells the output thread to flush and exit
 
 
@@ -55,8 +61,11 @@ class EngineCoreProc:
     """Owns one EngineCore inside the engine process, the busy loop that steps it, and the
     two queues through which the socket threads feed it and drain it."""
 
-    def __init__(self, engine_core: EngineCore, stats_interval_s: float = 0.5) -> None:
+    def __init__(self, engine_core: EngineCore, stats_interval_s: float = 0.5,
+                 dp: DPGroup | None = None) -> None:
         self.engine_core = engine_core
+        self.dp = dp  # this engine's place in the data-parallel group, if it has one
+        self.engine_args: EngineArgs | None = None  # for the handshake of a returning head
         self.stats_interval_s = stats_interval_s
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
@@ -96,7 +105,10 @@ class EngineCoreProc:
         exit_code = 0
         try:
             engine_core = engine_factory(engine_args)
-            proc = EngineCoreProc(engine_core, stats_interval_s)
+            dp_config = engine_args.dp_group_config()
+            proc = EngineCoreProc(engine_core, stats_interval_s,
+                                  DPGroup(dp_config) if dp_config is not None else None)
+            proc.engine_args = engine_args
             # The model and the imports live as long as the process: freeze them so the
             # collector's full passes, triggered by per-step garbage, stop walking them.
             gc.collect()
@@ -141,7 +153,11 @@ class EngineCoreProc:
         engine_core = self.engine_core
         while not self._shutdown:
             self._process_input_queue()
-            if self._shutdown or not engine_core.has_unfinished_requests():
+            if self._shutdown:
+                continue
+            if not engine_core.has_unfinished_requests():
+                if self.dp is not None and self.dp.idle_in_wave:
+                    self._dp_idle_poll()
                 continue
             t0 = time.perf_counter()
             outputs = engine_core.step()
@@ -153,10 +169,54 @@ class EngineCoreProc:
                 if not outputs.timestamp:
                     outputs.timestamp = now
                 self.output_queue.put((OutputTag.OUTPUTS, outputs))
+            if self.dp is not None:
+                self._dp_tick(stepped=True)
+
+    # ------------------------------------------------------------------ data parallelism
+    def _dp_row(self) -> list[int]:
+        sched = self.engine_core.scheduler
+        return [int(self.engine_core.has_unfinished_requests()), len(sched.waiting),
+                len(sched.running), sched.kv.pool.num_free_blocks, self._num_steps()]
+
+    def _dp_tick(self, stepped: bool) -> None:
+        assert self.dp is not None
+        for event in self.dp.tick(self._dp_row(), stepped):
+            self.output_queue.put((OutputTag.DP_EVENT, event))
+
+    def _dp_idle_poll(self) -> None:
+        """No work here, but the wave goes on elsewhere: take part in its collectives while
+        waiting briefly for input (a request, an abort, the wave's end)."""
+        try:
+            self._handle(*self.input_queue.get(timeout=DP_IDLE_POLL_S))
+        except queue.Empty:
+            pass
+        if not self._shutdown:
+            self._dp_tick(stepped=False)
+
+    def _dp_utility(self, method: str, args: list) -> Any:
+        dp = self.dp
+        if dp is None:
+            raise ValueError("this engine is not part of a data-parallel group")
+        if method == "dp_set_membership":
+            epoch, members = args
+            dp.set_membership(int(epoch), [int(r) for r in members])
+            # Work that arrived while it was alone: start the group's first wave with it.
+            self._dp_tick(stepped=False)
+        elif method == "dp_start_wave":
+            dp.start_wave(int(args[0]))
+        elif method == "dp_handshake":
+            # A (re)started head: whatever this engine still runs belongs to the old one.
+            sched = self.engine_core.scheduler
+            self.engine_core.abort_requests(list(sched.requests))
+            self._stats_dirty = True
+            assert self.engine_args is not None
+            return _handshake(self.engine_core, self.engine_args)
+        return dp.status()
 
     def _process_input_queue(self) -> None:
         q = self.input_queue
-        if not self.engine_core.has_unfinished_requests() and q.empty():
+        idle_in_wave = self.dp is not None and self.dp.idle_in_wave
+        if not self.engine_core.has_unfinished_requests() and q.empty() and not idle_in_wave:
             # Going idle: one last snapshot so the client sees the drained state (KV usage 0).
             if self._stats_dirty:
                 self.output_queue.put((OutputTag.OUTPUTS, EngineCoreOutputs(
@@ -198,8 +258,10 @@ class EngineCoreProc:
             if call.method not in UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {call.method!r}; "
                                  f"known: {sorted(UTILITY_METHODS)}")
-            if call.method == "ping":
-                result: Any = PingResult(self._num_steps(),
+            if call.method.startswith("dp_"):
+                result: Any = self._dp_utility(call.method, call.args)
+            elif call.method == "ping":
+                result = PingResult(self._num_steps(),
                                          _num_unfinished(self.engine_core))
             elif call.method == "get_stats":
                 result = self.engine_core.get_stats()
@@ -283,7 +345,11 @@ class EngineCoreProc:
     def _output_thread(self, sock: zmq.Socket) -> None:
         encoder = msgspec.msgpack.Encoder()
         while True:
-            item = self.output_queue.get()
+            try:
+                item = self.output_queue.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                sock.send_multipart([OutputTag.HEARTBEAT, b""])
+                continue
             if item is _STOP:
                 return
             tag, msg = item

@@ -26,6 +26,7 @@ from llmtower.engine.core_proc import EngineFactory, default_engine_factory
 from llmtower.metrics.http import HTTPMetricsMiddleware
 from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
+from llmtower.server.admin_memory import preload_at_start
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
 from llmtower.server.limits import RequestLimits
 from llmtower.server.middleware import (PUBLIC_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware,
@@ -212,6 +213,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     shutdown.install(loop)
     try:
         await llm.start()
+        if engine_args.preload_prompts:  # before serving: the first requests find it cached
+            await preload_at_start(llm, engine_args.preload_prompts, engine_args.preload_pin)
         app = build_app(llm, settings)
         shutdown.state = app.state.drain
         # Everything alive now (modules, tokenizer) lives as long as the server: keep it out

@@ -1,0 +1,13 @@
+"""Fixtures for data parallelism: the tiny tokenizer, and the model-free engines of the
+engine tests (tests/engine/fake_engine_factory.py), importable by spawned engine processes."""
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_tokenizer_dir):
+    from llmtower.models.tokenizer import load_tokenizer
+    return load_tokenizer(tiny_tokenizer_dir)
