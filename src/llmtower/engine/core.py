@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from llmtower.core.kv_cache.relocator import DefragResult
+from llmtower.engine.preload import PreloadStatus, PreloadTracker
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot, take_kv_cache_snapshot
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.core.request import Request
@@ -27,6 +28,7 @@ class EngineCore:
         self.last_step_seconds = 0.0
         self.last_step_num_tokens = 0  # scheduled tokens of the last step (for metrics)
         self.last_schedule_seconds = 0.0  # schedule() alone, of the last step
+        self.preloads = PreloadTracker(scheduler)  # llmtower preload / --preload-prompts
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises AdmissionError / QueueFullError / ValueError; the request is then not queued."""
@@ -55,6 +57,8 @@ class EngineCore:
                                      request_errors=self.scheduler.take_request_errors())
         model_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.preloads.active:  # preload requests' tokens never leave the engine
+            self.preloads.filter_outputs(outputs)
         # Requests that failed after admission (a grammar that did not compile in time).
         outputs.request_errors = self.scheduler.take_request_errors()
         self.last_step_seconds = time.perf_counter() - t0
@@ -65,6 +69,22 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
+
+    def preload(self, prompts: list[list[int]], pin: bool = False,
+                cache_salt: str | None = None) -> PreloadStatus:
+        """Queue prompts whose KV goes into the prefix cache (and, with ``pin``, stays there);
+        they run between other requests. Poll ``preload_status(batch_id)`` for the end."""
+        if not self.scheduler.kv.enable_prefix_caching:
+            raise ValueError("prefix caching is disabled (--no-enable-prefix-caching), so a "
+                             "preloaded prompt could never be reused: enable it to preload")
+        return self.preloads.add(prompts, pin, cache_salt)
+
+    def preload_status(self, batch_id: int) -> PreloadStatus:
+        return self.preloads.status(batch_id)
+
+    def unpin(self) -> int:
+        """Release every pinned prefix block (they stay cached, evictable again)."""
+        return self.scheduler.kv.pinned.unpin_all()
 
     def defragment(self) -> DefragResult:
         """A full KV defragmentation between two steps: the scheduler relabels its blocks, the

@@ -1,12 +1,13 @@
 """Build a ready EngineCore (scheduler + CPU executor over a real model) from EngineArgs."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from llmtower.core.sched.scheduler import Scheduler
-from llmtower.engine.args import EngineArgs, parse_bytes
+from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
 from llmtower.structured_output.manager import make_xgrammar_manager
@@ -19,6 +20,17 @@ from llmtower.models.weights import resolve_dtype
 # The default context length when the model's own is longer: KV memory and the rotary tables
 # grow with it, and few CPU workloads need more.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+logger = logging.getLogger(__name__)
+
+
+def sliding_window_reason(config: ModelConfig, max_model_len: int) -> str:
+    """Why ``max_model_len`` is capped, when the model's sliding window capped it ('' if not)."""
+    window = config.sliding_window
+    if window and max_model_len >= window and window < config.max_position_embeddings:
+        return (f"the model's sliding window is {window} and sliding-window attention is not "
+                "implemented")
+    return ""
 
 
 def resolve_max_model_len(requested: int, config: ModelConfig) -> int:
@@ -52,7 +64,7 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
                              "give the KV cache more memory")
     num_cpu_blocks = 0
     if args.preemption_mode == "swap":
-        num_cpu_blocks = parse_bytes(args.swap_space) // per_block
+        num_cpu_blocks = parse_swap_space(args.swap_space) // per_block
     return num_blocks, num_cpu_blocks
 
 
@@ -66,7 +78,11 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     max_model_len = resolve_max_model_len(args.max_model_len, config)
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks)
-    scheduler_config = args.create_scheduler_config(max_model_len)
+    reason = sliding_window_reason(config, max_model_len)
+    if reason:
+        logger.warning("max_model_len is %d because %s: longer contexts are refused",
+                       max_model_len, reason)
+    scheduler_config = args.create_scheduler_config(max_model_len, reason)
     state_dict = load_state_dict(path, dtype)
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
                            attention_backend=args.attention_backend)

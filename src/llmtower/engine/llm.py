@@ -12,7 +12,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
+from llmtower.core.kv_cache.relocator import DefragResult
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.engine.preload import PreloadStatus
 from llmtower.engine.args import DEFAULT_MODEL, EngineArgs
 from llmtower.engine.input_processor import (Conversation, InputProcessor, PromptItem,
                                              load_generation_defaults)
@@ -52,7 +54,8 @@ class LLM:
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer else path)
         self._setup(engine_core, InputProcessor(
             tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids, default_sampling=defaults))
+            eos_token_ids=info.eos_token_ids, default_sampling=defaults,
+            max_model_len_reason=engine_core.scheduler.config.max_model_len_reason))
 
     @classmethod
     def from_engine_core(cls, engine_core: Any, tokenizer: Any,
@@ -129,6 +132,33 @@ class LLM:
         """What the KV cache holds now: every block's state, the block tables, fragmentation
         and the prefix cache (``llmtower diag memory`` draws it; see docs/operations.md)."""
         return self.engine_core.kv_cache_snapshot()
+
+    def defragment(self) -> DefragResult:
+        """Move KV blocks so that each request's block table and the free space are one run
+        each (see docs/memory.md); answers with the moves made and fragmentation before/after."""
+        self._check_idle()
+        return self.engine_core.defragment()
+
+    def preload(self, prompts: str | list[str] | list[list[int]] | list[Conversation],
+                pin: bool = False) -> PreloadStatus:
+        """Compute the KV of ``prompts`` (text, token ids, or conversations, rendered without
+        the generation prompt) into the prefix cache, generating nothing; with ``pin`` their
+        blocks are kept out of eviction (up to ``max_pinned_blocks``) until ``unpin()``."""
+        self._check_idle()
+        if isinstance(prompts, list) and prompts and all(
+                isinstance(c, list) and c and isinstance(c[0], dict) for c in prompts):
+            ids = [self.render_chat(c, add_generation_prompt=False)[1] for c in prompts]
+        else:
+            ids = [t for _, t in self._tokenize_prompts(prompts)]
+        st = self.engine_core.preload(ids, pin)
+        while not st.finished:
+            self.engine_core.step()
+            st = self.engine_core.preload_status(st.batch_id)
+        return st
+
+    def unpin(self) -> int:
+        """Release every pinned prefix block; returns how many there were."""
+        return self.engine_core.unpin()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -130,7 +130,8 @@ class Scheduler:
             raise AdmissionError(
                 f"request {rid!r} needs {min_len} tokens ({request.num_prompt_tokens} prompt + "
                 f"{max(1, request.sampling_params.min_tokens)} to generate) but max_model_len is "
-                f"{cfg.max_model_len}; shorten the prompt or lower min_tokens")
+                f"{cfg.max_model_len}{_because(cfg.max_model_len_reason)}; shorten the prompt "
+                "or lower min_tokens")
         capacity = self.cache_config.num_blocks * self.cache_config.block_size
         if min_len > capacity:
             self.num_rejected += 1
@@ -720,4 +721,8 @@ class Scheduler:
 
 
 _EMPTY: list[int] = []
+
+
+def _because(reason: str) -> str:
+    return f" because {reason}" if reason else ""
 
