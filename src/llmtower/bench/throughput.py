@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature, 0 for greedy (default: 1.0, as vLLM's)")
     parser.add_argument("--output-json", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--disable-tqdm", action="store_true",
+                        help="no progress bar (it is written to stderr)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -90,16 +93,30 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], sp: SamplingParams,
-               prefix: str = "bench") -> tuple[float, int]:
-    """Submit every prompt, step until all are done; (seconds, output tokens)."""
+               prefix: str = "bench", progress: bool = False) -> tuple[float, int]:
+    """Submit every prompt, step until all are done; (seconds, output tokens). With
+    ``progress``, a bar of finished requests on stderr (its updates are outside the engine's
+    step, and cost microseconds per step)."""
     eos = None if sp.ignore_eos else _first_eos(core)
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"{prefix}-{i}", p, sp, eos_token_id=eos))
     num_out = 0
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            num_out += len(o.new_token_ids)
+    try:
+        while core.has_unfinished_requests():
+            done = 0
+            for o in core.step().outputs:
+                num_out += len(o.new_token_ids)
+                done += o.finished
+            if done:
+                bar.update(done)
+                bar.set_postfix_str(f"{num_out / (time.perf_counter() - t0):.0f} output tok/s",
+                                    refresh=False)
+    finally:
+        bar.close()
     return time.perf_counter() - t0, num_out
 
 
@@ -125,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     core.reset_prefix_cache()
     sched = core.scheduler
     preempt0, steps0 = sched.num_preemptions, sched.num_steps
-    elapsed, num_out = run_engine(core, prompts, sp)
+    elapsed, num_out = run_engine(core, prompts, sp, progress=not args.disable_tqdm)
     num_in = sum(len(p) for p in prompts)
     result = ThroughputResult(
         model=model_name, num_requests=len(prompts), num_prompt_tokens=num_in,
