@@ -1,0 +1,160 @@
+"""Issue 11 item 7 and issue 18 "Shutdown": SIGTERM / Ctrl-C of `llmtower serve` refuse new
+requests with 503 in OpenAI's error shape, let requests in flight finish within
+--shutdown-timeout, abort the rest with a proper error (an SSE error event and [DONE] for
+streams), stop the engine, and exit 0 with one log line and no traceback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from conftest import MODEL, TINY_SERVER_ARGS, start_server
+
+
+def _engine_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _log_after(server, marker: str) -> str:
+    text = server.log_path.read_text(errors="replace")
+    return text[text.index(marker):] if marker in text else text
+
+
+def _stream(url: str, body: dict, out: dict, key: str) -> None:
+    try:
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            out[key] = (r.status_code, [line for line in r.iter_lines() if line])
+    except httpx.HTTPError as e:  # a reset or a cut stream: the test reports it
+        out[key] = (None, [repr(e)])
+
+
+def _post(url: str, body: dict, out: dict, key: str) -> None:
+    try:
+        r = httpx.post(url, json=body, timeout=120)
+        out[key] = (r.status_code, r.json())
+    except (httpx.HTTPError, ValueError) as e:
+        out[key] = (None, repr(e))
+
+
+def _wait_running(server, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{server.base_url}/ready", timeout=10).json()
+        if r["num_unfinished_requests"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the requests never reached the engine")
+
+
+def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_factory,
+                                                                       tiny_llama_dir):
+    server = start_server(tmp_path_factory, "sigterm_server", [
+        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--max-num-seqs", "1",
+        "--shutdown-timeout", "1"])
+    try:
+        url = f"{server.base_url}/v1/completions"
+        # One sequence runs at a time and each wants 480 tokens (~1 s): these outlast 1 s.
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
+        results: dict = {}
+        threads = [threading.Thread(target=_stream, args=(url, {**body, "stream": True},
+                                                          results, f"s{i}")) for i in range(4)]
+        threads += [threading.Thread(target=_post, args=(url, body, results, f"p{i}"))
+                    for i in range(4)]
+        for t in threads:
+            t.start()
+        _wait_running(server, 8)
+        engine_pid = server.engine_pid()
+        os.kill(server.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        late = httpx.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 2},
+                          timeout=10)
+        assert late.status_code == 503
+        assert late.json()["error"]["code"] == "server_shutting_down"
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(30) == 0
+
+        aborted = {"s": 0, "p": 0}
+        for key, (status, payload) in sorted(results.items()):
+            if key.startswith("s") and status == 503:  # aborted before its first token
+                aborted["s"] += 1
+                assert json.loads(payload[0])["error"]["code"] == "server_shutting_down"
+            elif key.startswith("s"):
+                assert status == 200, payload
+                assert payload[-1] == "data: [DONE]", payload[-3:]
+                last = json.loads(payload[-2][len("data: "):])
+                if "error" in last:
+                    aborted["s"] += 1
+                    assert last["error"]["code"] == "server_shutting_down"
+                    assert "--shutdown-timeout" in last["error"]["message"]
+                else:
+                    assert last["choices"][-1]["finish_reason"] == "length"
+            else:
+                assert status in (200, 503), payload
+                if status == 503:
+                    aborted["p"] += 1
+                    assert set(payload["error"]) == {"message", "type", "param", "code"}
+                    assert payload["error"]["code"] == "server_shutting_down"
+        # About one request finishes per second, one at a time: most of the eight are cut.
+        assert aborted["s"] >= 1 and aborted["p"] >= 1 and sum(aborted.values()) >= 4, results
+
+        log = _log_after(server, "SIGTERM")
+        assert "Traceback" not in log and "Again" not in log, log
+        assert "CancelledError" not in log, log
+        assert log.count("llmtower stopped on SIGTERM") == 1, log
+        assert _engine_gone(engine_pid)
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tiny_llama_dir):
+    sig = signal.SIGINT
+    server = start_server(tmp_path_factory, "drain_server", [
+        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"])
+    try:
+        url = f"{server.base_url}/v1/completions"
+        results: dict = {}
+        worker = threading.Thread(target=_stream, args=(url, {
+            "model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}, results, "s"))
+        worker.start()
+        _wait_running(server, 1)
+        engine_pid = server.engine_pid()
+        os.kill(server.proc.pid, sig)
+        worker.join(60)
+        assert server.proc.wait(60) == 0
+        status, lines = results["s"]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        log = _log_after(server, signal.Signals(sig).name)
+        assert "Traceback" not in log and "Again" not in log, log
+        assert log.count("llmtower stopped") == 1
+        assert _engine_gone(engine_pid)
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_of_an_idle_server_logs_one_line(tmp_path_factory, tiny_llama_dir):
+    server = start_server(tmp_path_factory, "idle_server",
+                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS])
+    try:
+        before = len(server.log_path.read_text().splitlines())
+        engine_pid = server.engine_pid()
+        os.kill(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(30) == 0
+        new_lines = server.log_path.read_text().splitlines()[before:]
+        assert len(new_lines) == 1 and "llmtower stopped on SIGINT" in new_lines[0], new_lines
+        assert _engine_gone(engine_pid)
+    finally:
+        server.stop()
