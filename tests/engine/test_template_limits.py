@@ -6,7 +6,10 @@ import time
 
 import pytest
 
-from llmtower.engine.template_limits import TemplateTimeoutError, call_with_render_deadline
+from llmtower.engine.template_limits import (
+    TemplateTimeoutError,
+    call_with_render_deadline,
+)
 
 NESTED_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}"
                 "{% for k in range(100000) %}{% endfor %}{% endfor %}{% endfor %}x")

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import MODEL, TINY_SERVER_ARGS, start_server
 
 
@@ -69,8 +68,8 @@ def test_the_largest_64_bit_seed_still_works(tiny_server):
     ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}'),
     ("/v1/chat/completions",
      '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
-                             '[{"type": "text", "text": "x\\udc00"}]}]}'),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": '
+                              '[{"type": "text", "text": "x\\udc00"}]}]}')),
     ("/tokenize", '{"model": "tiny", "prompt": "\\ud800"}'),
     ("/tokenize", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
 ])
@@ -176,7 +175,7 @@ def test_a_request_cannot_replace_the_chat_template(tiny_server):
 def _success_total(server) -> float:
     text = httpx.get(f"{server.base_url}/metrics").text
     return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$',
-                                            text, re.M))
+                                            text, re.MULTILINE))
 
 
 def test_streamed_n_finishes_each_choice_once_and_counts_once(tiny_server):

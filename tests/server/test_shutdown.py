@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-
 from conftest import MODEL, TINY_SERVER_ARGS, start_server
 
 

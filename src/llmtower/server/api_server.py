@@ -29,10 +29,20 @@ from llmtower.server.admin import build_admin_router
 from llmtower.server.admin_memory import preload_at_start
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
 from llmtower.server.limits import RequestLimits
-from llmtower.server.middleware import (PUBLIC_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware,
-                                        HostAllowListMiddleware)
-from llmtower.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
+from llmtower.server.middleware import (
+    PUBLIC_PATHS,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    HostAllowListMiddleware,
+)
+from llmtower.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from llmtower.server.serving_chat import OpenAIServingChat
 from llmtower.server.serving_completions import OpenAIServingCompletion
 from llmtower.server.serving_probes import build_probe_router

@@ -30,7 +30,7 @@ class RequestLimits:
 
     @classmethod
     def for_model(cls, max_model_len: int, max_n: int = 16,
-                  trust_request_chat_template: bool = False) -> "RequestLimits":
+                  trust_request_chat_template: bool = False) -> RequestLimits:
         return cls(max_n=max_n,
                    max_prompt_chars=max(MIN_PROMPT_CHARS, max_model_len * CHARS_PER_TOKEN_CAP),
                    trust_request_chat_template=trust_request_chat_template)
