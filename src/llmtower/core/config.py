@@ -60,6 +60,8 @@ class SchedulerConfig:
     sjf_aging_tokens_per_s: float = 100.0
     preemption_victim: PreemptionVictim = "priority"
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Why max_model_len is what it is, when the model forced it (named in admission errors).
+    max_model_len_reason: str = ""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
@@ -106,6 +108,8 @@ class CacheConfig:
       blocks so that block tables and the free space become contiguous runs, once the layout
       fragmentation passes ``fragmentation_threshold``, at most ``max_block_moves_per_step``
       block copies per step).
+    - ``max_pinned_blocks``: most cached blocks that preloaded prefixes may pin against
+      eviction (0: a quarter of ``num_blocks``).
     """
 
     block_size: int = 16
@@ -115,6 +119,7 @@ class CacheConfig:
     kv_allocator: KVAllocator = "plain"
     fragmentation_threshold: float = 0.5
     max_block_moves_per_step: int = 64
+    max_pinned_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
@@ -128,3 +133,6 @@ class CacheConfig:
                  "anything is out of place)")
         _require(self.max_block_moves_per_step >= 1, "max_block_moves_per_step",
                  self.max_block_moves_per_step, "an integer >= 1")
+        _require(0 <= self.max_pinned_blocks <= self.num_blocks, "max_pinned_blocks",
+                 self.max_pinned_blocks, f"an integer in 0..num_blocks={self.num_blocks} "
+                 "(0: a quarter of the KV blocks)")

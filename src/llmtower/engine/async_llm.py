@@ -21,6 +21,7 @@ from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.outputs import EngineCoreOutputs, SchedulerStats
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
+from llmtower.engine.client_interface import EngineClient
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineLostError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
@@ -76,7 +77,7 @@ class AsyncLLM:
         self.engine_args = engine_args
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
-        self.client: EngineCoreClient | DPEngineCoreClient = (
+        self.client: EngineClient = (
             DPEngineCoreClient(engine_args, engine_factory, stats_interval_s)
             if engine_args.data_parallel_size > 1
             else EngineCoreClient(engine_args, engine_factory, stats_interval_s))
@@ -304,8 +305,7 @@ class AsyncLLM:
 
     def _engine_of(self, engine_request_id: str) -> int:
         """The data-parallel engine serving a request (0 with one engine)."""
-        engine_of = getattr(self.client, "engine_of", None)
-        return (engine_of(engine_request_id) or 0) if engine_of is not None else 0
+        return self.client.engine_of(engine_request_id) or 0
 
     def _forget(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -330,7 +330,7 @@ class AsyncLLM:
         except Exception:  # a bug here would hang every client: fail them loudly instead
             logger.exception("the output handler failed")
             err = EngineDeadError("the server's output handler failed; see the server log")
-            self.client._mark_dead(str(err))
+            self.client.mark_dead(str(err))
             for tracked in list(self._requests.values()):
                 tracked.queue.put_nowait(err)
 
@@ -407,8 +407,12 @@ class AsyncLLM:
         return await self.client.call_utility("get_stats", result_type=SchedulerStats,
                                               timeout_s=timeout_s)
 
-    async def reset_prefix_cache(self, timeout_s: float = 5.0) -> None:
-        await self.client.call_utility("reset_prefix_cache", timeout_s=timeout_s)
+    async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
+        """False when an engine refused because requests still hold KV blocks."""
+        ok = await self.client.call_utility("reset_prefix_cache", timeout_s=timeout_s)
+        if isinstance(ok, list):  # data parallel: one answer per engine
+            return all(x is not False for x in ok)
+        return ok is not False
 
     @property
     def num_engines(self) -> int:

@@ -67,8 +67,9 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def reset_prefix_cache(self) -> None:
-        self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False (nothing done) while requests hold KV blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def preload(self, prompts: list[list[int]], pin: bool = False,
                 cache_salt: str | None = None) -> PreloadStatus:

@@ -82,9 +82,11 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, *, max_model_len: int, vocab_size: int = 0,
                  eos_token_ids: Sequence[int] = (), chat_template: str | None = None,
-                 default_sampling: dict[str, Any] | None = None) -> None:
+                 default_sampling: dict[str, Any] | None = None,
+                 max_model_len_reason: str = "") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_model_len_reason = max_model_len_reason  # e.g. the model's sliding window
         # Prompt ids index the model's embedding: its vocabulary bounds them (the tokenizer's
         # may be larger, e.g. a shared tokenizer over a smaller model).
         self.vocab_size = vocab_size or _tokenizer_size(tokenizer)
@@ -147,7 +149,9 @@ class InputProcessor:
         if n >= self.max_model_len:
             raise AdmissionError(
                 f"{which} has {n} tokens but this model's context length (max_model_len) is "
-                f"{self.max_model_len} tokens, and at least one token must be generated: "
+                f"{self.max_model_len} tokens"
+                + (f" because {self.max_model_len_reason}" if self.max_model_len_reason else "")
+                + ", and at least one token must be generated: "
                 "shorten the prompt (or set truncate_prompt_tokens)")
 
     def check_params(self, sp: SamplingParams) -> None:
