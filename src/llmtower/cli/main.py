@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Subcommand modules under llmtower.cli; each registers its own parser(s) and handler(s).
-SUBCOMMAND_MODULES = ["serve", "generate", "bench", "simulate", "diag", "monitor"]
+SUBCOMMAND_MODULES = ["serve", "generate", "bench", "simulate", "diag", "monitor", "ctl", "preload"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,10 +11,12 @@ from fastapi import APIRouter
 
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.server.admin_kv_cache import add_kv_cache_route
+from llmtower.server.admin_memory import add_memory_routes
 
 
 def build_admin_router(llm: AsyncLLM) -> APIRouter:
     """The ``/v1/admin`` routes over one started ``AsyncLLM``."""
     router = APIRouter(prefix="/v1/admin")
     add_kv_cache_route(router, llm)  # GET /v1/admin/kv_cache (issue 13)
+    add_memory_routes(router, llm)  # POST /v1/admin/defrag, preload, unpin (issue 14)
     return router

@@ -21,8 +21,9 @@ vacated places without a copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+import msgspec
 
 from llmtower.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from llmtower.core.kv_cache.fragmentation import external_fragmentation
@@ -52,10 +53,10 @@ def layout_fragmentation(pool: BlockPool, tables: Sequence[Sequence[KVCacheBlock
     return max(external_fragmentation(pool), table_fragmentation(tables))
 
 
-@dataclass
-class DefragResult:
-    """What one on-demand defragmentation did."""
+class DefragResult(msgspec.Struct, kw_only=True):
+    """What one on-demand defragmentation did (an engine utility's answer, so a struct)."""
 
+    engine_index: int = 0  # set by the API process: an engine does not know its DP index
     num_moves: int = 0
     fragmentation_before: float = 0.0  # layout_fragmentation
     fragmentation_after: float = 0.0
