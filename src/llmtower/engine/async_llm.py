@@ -226,7 +226,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None,
+                       tenant: str = "") -> AsyncGenerator[RequestOutput, None]:
         """Stream the ``RequestOutput`` deltas of one request (all ``n`` samples), the last
         one with ``finished`` set. Raises EngineDeadError (503), QueueFullError (429),
         AdmissionError / ValueError (400) or RequestTimeoutError (408, no token within
@@ -243,7 +244,7 @@ class AsyncLLM:
         engine_reqs = self.output_processor.add_request(
             request_id, prompt, list(prompt_token_ids), params,
             output_kind=RequestOutputKind.DELTA, eos_token_id=self.input_processor.eos_token_id,
-            arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+            arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant)
         tracked = _Tracked([r.request_id for r in engine_reqs], len(prompt_token_ids),
                            RequestParams(n=sampling_params.n,
                                          max_tokens=sampling_params.max_tokens))
@@ -406,6 +407,30 @@ class AsyncLLM:
     async def get_stats(self, timeout_s: float = 5.0) -> SchedulerStats:
         return await self.client.call_utility("get_stats", result_type=SchedulerStats,
                                               timeout_s=timeout_s)
+
+    async def set_priority(self, request_id: str, priority: int, timeout_s: float = 5.0) -> int:
+        """Change the priority of a request in flight (all its samples), between two engine
+        steps. Raises KeyError for an unknown or finished request, ValueError when the
+        engine's policy is not ``priority``. Returns how many samples were changed."""
+        if self.engine_args.policy != "priority":
+            raise ValueError(f"cannot set a priority: the server runs --policy "
+                             f"{self.engine_args.policy}; priorities need --policy priority")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, not {priority!r}")
+        # The API's id; a completion with several prompts runs them as f"{id}-{i}".
+        found = [t for rid, t in self._requests.items()
+                 if rid == request_id or rid.startswith(request_id + "-")]
+        if not found:
+            raise KeyError(request_id)
+        clients = getattr(self.client, "clients", None)
+        n = 0
+        for tracked in found:
+            target = clients[self._engine_of(tracked.engine_ids[0])] if clients else self.client
+            n += await target.call_utility("update_priority", tracked.engine_ids, priority,
+                                           result_type=int, timeout_s=timeout_s)
+        if not n:
+            raise KeyError(request_id)  # it finished while the call was on its way
+        return n
 
     async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
         """False when an engine refused because requests still hold KV blocks."""

@@ -249,6 +249,14 @@ class EngineCoreClient:
             reason += f"; engine error: {self._engine_error.splitlines()[0]}"
         self._mark_dead(reason)
 
+    def engine_of(self, request_id: str) -> int | None:
+        """EngineClient.engine_of: one engine serves everything (rank 0)."""
+        return 0
+
+    def mark_dead(self, reason: str) -> None:
+        """EngineClient.mark_dead: the front end declares the engine unusable."""
+        self._mark_dead(reason)
+
     def _mark_dead(self, reason: str) -> None:
         if self.is_dead:
             return

@@ -41,7 +41,7 @@ from llmtower.distributed.routing import EngineLoad, Router
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
-from llmtower.engine.core_proc import EngineFactory, default_engine_factory
+from llmtower.engine.core_proc import HEARTBEAT_S, EngineFactory, default_engine_factory
 
 logger = logging.getLogger(__name__)
 
@@ -196,11 +196,23 @@ class DPEngineCoreClient:
                     c.engine_args, data_parallel_address=host,
                     data_parallel_rpc_port=self._store.port)
 
+    def _responsive(self, rank: int) -> bool:
+        """Heard from lately (engines send at least a heartbeat a second): a rank that went
+        quiet is left out of a new group rather than letting every other rank wait for it."""
+        return time.monotonic() - self.clients[rank].last_heard < 2.5 * HEARTBEAT_S
+
     async def _set_membership(self) -> None:
-        """A new epoch: every live engine forms the process group of the live ranks."""
+        """A new epoch: every live, responsive engine forms the process group of those
+        ranks. A quiet rank left out is either lost soon (its silence passes --dp-timeout)
+        or, if it speaks again, taken back in by a later epoch."""
         self.epoch += 1
-        epoch, members = self.epoch, self.live_ranks
-        logger.info("data-parallel epoch %d: ranks %s", epoch, members)
+        epoch = self.epoch
+        members = [r for r in self.live_ranks if self._responsive(r)]
+        quiet = [r for r in self.live_ranks if r not in members]
+        if quiet:
+            self._spawn(self._recheck(quiet, epoch))
+        logger.info("data-parallel epoch %d: ranks %s%s", epoch, members,
+                    f" (quiet, left out: {quiet})" if quiet else "")
         timeout = self.engine_args.dp_timeout * 2
         results = await asyncio.gather(*(
             self.clients[r].call_utility("dp_set_membership", epoch, members,
@@ -209,6 +221,12 @@ class DPEngineCoreClient:
         for r, res in zip(members, results):
             if isinstance(res, BaseException) and epoch == self.epoch:
                 logger.error("rank %d did not join epoch %d: %s", r, epoch, res)
+
+    async def _recheck(self, quiet: list[int], epoch: int) -> None:
+        await asyncio.sleep(self.engine_args.dp_timeout + HEARTBEAT_S)
+        if self.epoch == epoch and not self._closing and \
+                any(r not in self.lost and self._responsive(r) for r in quiet):
+            await self._set_membership()
 
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
@@ -383,6 +401,10 @@ class DPEngineCoreClient:
         await self._set_membership()
 
     # ------------------------------------------------------------------ death and shutdown
+    def mark_dead(self, reason: str) -> None:
+        """EngineClient.mark_dead: the front end declares the engine unusable."""
+        self._mark_dead(reason)
+
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is not None:
             return
