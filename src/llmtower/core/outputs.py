@@ -128,6 +128,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str = ""  # who is served, for --policy fair (the OpenAI `user` / X-Tenant)
 
 
 class RequestMetrics(msgspec.Struct, omit_defaults=True):
@@ -196,6 +197,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     # for the per-iteration histograms (a snapshot is sent only every ~0.5 s).
     step_num_tokens: list[int] = []
     step_seconds: list[float] = []
+    # --policy fair: per tenant, {tokens_served, num_admitted, queue_time_sum,
+    # num_unfinished, counter, weight} (empty under the other policies).
+    tenants: dict[str, dict[str, float]] = {}
     # Speculative decoding totals (vllm:spec_decode_*): verifications with drafts, draft
     # tokens, accepted drafts, and accepted drafts by position (index 0: first draft).
     spec_num_drafts: int = 0

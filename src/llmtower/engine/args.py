@@ -169,6 +169,8 @@ class EngineArgs:
                                 "priority, the most predicted remaining work ('remaining')",
                                 choices=["priority", "remaining"])
     tenant_weights: str = _f("", "--policy fair: tenant weights, e.g. a=2,b=1 (others: 1)")
+    tenant_header: str = _f("X-Tenant", "--policy fair: the HTTP header naming the tenant "
+                            "(else the OpenAI 'user' field; '' to use only 'user')")
     preemption_mode: str = _f("recompute", "how to preempt when KV blocks run out",
                               choices=["recompute", "swap"])
     long_prefill_token_threshold: int = _f(0, "most prompt tokens one request gets per step (0: no cap)")

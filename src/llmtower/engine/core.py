@@ -35,7 +35,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, priority=req.priority,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt))
+            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt, tenant=req.tenant))
 
     def abort_requests(self, request_ids) -> list[str]:
         return self.scheduler.abort_requests(request_ids)
@@ -66,6 +66,11 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def update_priority(self, request_ids: list[str], priority: int) -> int:
+        """Set the priority of these requests (e.g. the samples of one n > 1 request);
+        returns how many were still unfinished."""
+        return sum(self.scheduler.update_priority(rid, priority) for rid in request_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False (nothing done) while requests hold KV blocks."""

@@ -39,6 +39,7 @@ class OutputTag:
 UTILITY_METHODS = frozenset({
     "get_stats",
     "reset_prefix_cache",
+    "update_priority",
     "ping",
     "kv_cache_snapshot",
     "defragment",

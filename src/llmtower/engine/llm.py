@@ -85,12 +85,14 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 tenant: str | list[str] | None = None) -> list[RequestOutput]:
         """Generate completions for ``prompts`` (text, or token ids); one ``RequestOutput``
         per prompt, in input order. ``sampling_params`` is one for all or one per prompt;
-        ``priority`` (one per prompt, lower runs first) needs ``policy="priority"``."""
+        ``priority`` (one per prompt, lower runs first) needs ``policy="priority"``;
+        ``tenant`` (one for all or one per prompt) is who is served, for ``policy="fair"``."""
         items = self._tokenize_prompts(prompts)
-        return self._run(items, sampling_params, use_tqdm, priority)
+        return self._run(items, sampling_params, use_tqdm, priority, tenant)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -107,12 +109,12 @@ class LLM:
         return self._run(items, sampling_params, use_tqdm, priority)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-               priority: int = 0) -> Iterator[RequestOutput]:
+               priority: int = 0, tenant: str = "") -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding ``RequestOutput``s with only the new text and
         tokens of each step (DELTA). The request is sent to the engine at the first
         ``next()`` (admission errors are raised there); closing the iterator early aborts it."""
         (item,) = self._tokenize_prompts([prompt] if isinstance(prompt, str) else [prompt])
-        return self._stream(item, sampling_params, priority)
+        return self._stream(item, sampling_params, priority, tenant)
 
     def stream_chat(self, messages: Conversation,
                     sampling_params: SamplingParams | None = None,
@@ -160,6 +162,15 @@ class LLM:
         """Release every pinned prefix block; returns how many there were."""
         return self.engine_core.unpin()
 
+    def set_priority(self, request_id: str, priority: int) -> None:
+        """Change the priority of a request in flight (e.g. from a ``stream()`` loop, with the
+        ``request_id`` of its outputs); needs ``policy="priority"``. Raises KeyError for an
+        unknown or finished request."""
+        parent = self.output_processor.parents.get(request_id)
+        engine_ids = [st.request_id for st in parent.children] if parent is not None else []
+        if not engine_ids or not self.engine_core.update_priority(engine_ids, priority):
+            raise KeyError(f"request {request_id!r} is not in flight (unknown or finished)")
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -198,7 +209,7 @@ class LLM:
                                "before starting another generation")
 
     def _add(self, items: list[PromptItem], params: list[SamplingParams], priorities: list[int],
-             kind: RequestOutputKind) -> list[str]:
+             kind: RequestOutputKind, tenants: list[str] | None = None) -> list[str]:
         """Send every request to the engine, or none: on an error, everything added so far
         is aborted again and the error is raised with its message intact."""
         request_ids: list[str] = []
@@ -207,13 +218,14 @@ class LLM:
         items = [(text if len(ids2) == len(ids) else None, ids2) for i, ((text, ids), sp) in
                  enumerate(zip(items, params)) for ids2 in [ip.process_prompt(ids, sp, i)]]
         try:
-            for (text, ids), sp, prio in zip(items, params, priorities):
+            for (text, ids), sp, prio, tenant in zip(items, params, priorities,
+                                                     tenants or [""] * len(items)):
                 rid = str(next(self._counter))
                 request_ids.append(rid)
                 sp = ip.with_extra_eos(sp)
                 for req in self.output_processor.add_request(
                         rid, text, ids, sp, output_kind=kind, eos_token_id=ip.eos_token_id,
-                        priority=prio):
+                        priority=prio, tenant=tenant):
                     self.engine_core.add_request(req)
         except BaseException:
             self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -238,16 +250,19 @@ class LLM:
 
     def _run(self, items: list[PromptItem],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
-             priority: list[int] | None) -> list[RequestOutput]:
+             priority: list[int] | None,
+             tenant: str | list[str] | None = None) -> list[RequestOutput]:
         self._check_idle()
         params = _per_prompt(sampling_params, len(items), "sampling_params",
                              self.input_processor.default_sampling_params())
         priorities = _per_prompt(priority, len(items), "priority", 0)
+        tenants = _per_prompt([tenant] * len(items) if isinstance(tenant, str) else tenant,
+                              len(items), "tenant", "")
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, not "
                                  f"{type(sp).__name__}: use SamplingParams(max_tokens=..., ...)")
-        request_ids = self._add(items, params, priorities, RequestOutputKind.FINAL_ONLY)
+        request_ids = self._add(items, params, priorities, RequestOutputKind.FINAL_ONLY, tenants)
         results: dict[str, RequestOutput] = {}
         from tqdm.auto import tqdm
         pbar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
@@ -273,13 +288,13 @@ class LLM:
         return [results[rid] for rid in request_ids]
 
     def _stream(self, item: PromptItem, sampling_params: SamplingParams | None,
-                priority: int) -> Iterator[RequestOutput]:
+                priority: int, tenant: str = "") -> Iterator[RequestOutput]:
         # A generator: the request is added at the first next(), so an iterator that is
         # dropped before it starts leaves nothing behind in the engine.
         self._check_idle()
         self._add([item], [sampling_params or self.input_processor.default_sampling_params()],
                   [priority],
-                  RequestOutputKind.DELTA)
+                  RequestOutputKind.DELTA, [tenant])
         self._busy = True
         try:
             while self.output_processor.has_unfinished_requests():

@@ -73,7 +73,8 @@ class OutputProcessor:
                     sampling_params: SamplingParams, n: int | None = None, *,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                     eos_token_id: int | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> list[EngineCoreRequest]:
+                    priority: int = 0, cache_salt: str | None = None,
+                    tenant: str = "") -> list[EngineCoreRequest]:
         """Register a request; return the ``EngineCoreRequest``s the caller must send to the
         engine: one, or ``n`` children (ids ``f"{request_id}-{i}"``, seed ``seed + i``)."""
         n = sampling_params.n if n is None else n
@@ -98,7 +99,7 @@ class OutputProcessor:
                                        output_kind, arrival))
             engine_requests.append(EngineCoreRequest(
                 cid, list(prompt_token_ids), params, eos_token_id=eos_token_id,
-                arrival_time=arrival, priority=priority, cache_salt=cache_salt))
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant))
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), output_kind, states)
         self.parents[request_id] = parent
         for st in states:

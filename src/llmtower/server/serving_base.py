@@ -25,6 +25,9 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready; its request was aborted."""
 
 
+MAX_TENANT_CHARS = 256
+
+
 class ServingBase:
     """Owns the AsyncLLM handle and the served model's name for one OpenAI endpoint."""
 
@@ -32,6 +35,18 @@ class ServingBase:
         self.llm = llm
         self.model_name = llm.model_name
         self.limits = limits or RequestLimits.for_model(llm.max_model_len)
+
+    def tenant_of(self, req: Any, raw: Any) -> str:
+        """Who a request is served for (``--policy fair``): the ``--tenant-header`` header
+        (default ``X-Tenant``, set by a gateway) if present, else the OpenAI ``user`` field,
+        else the default tenant ''."""
+        header = getattr(self.llm.engine_args, "tenant_header", "")
+        tenant = (raw.headers.get(header) if header and raw is not None else None) or \
+            getattr(req, "user", None) or ""
+        if len(tenant) > MAX_TENANT_CHARS:
+            raise APIError(f"the tenant name ({header or 'user'}) has {len(tenant)} characters; "
+                           f"use at most {MAX_TENANT_CHARS}", 400, param="user")
+        return tenant
 
     def check_model(self, model: str | None) -> None:
         """Any of --served-model-name's names (or none) is this server's model."""

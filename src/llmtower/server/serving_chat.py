@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -14,11 +16,25 @@ from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                       TopLogprob)
 from llmtower.server.access_log import note_prompt, note_tokens
+from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan, ToolSettings,
+                                                      constrain_to_tools, plan_tools,
+                                                      tool_finish_reason)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, new_request_id, sse,
                                           sse_error, token_text, until_disconnect)
 
 ROLE = "assistant"
+
+
+def tool_message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
+    """The assistant message of one choice: its tool calls (if the plan finds any) or text."""
+    if plan is None or plan.mode == "none":
+        return ChatResponseMessage(role=ROLE, content=text)
+    extracted = plan.extract(text)
+    if not extracted.tools_called:
+        return ChatResponseMessage(role=ROLE, content=text)
+    return ChatResponseMessage(role=ROLE, content=extracted.content,
+                               tool_calls=[c.to_openai() for c in extracted.tool_calls])
 
 
 def chat_logprobs(entries: SampleLogprobs, top_k: int, as_ids: bool = False) -> ChatLogprobs:
@@ -39,8 +55,13 @@ def chat_logprobs(entries: SampleLogprobs, top_k: int, as_ids: bool = False) -> 
 
 
 class OpenAIServingChat(ServingBase):
-    """Owns the /v1/chat/completions endpoint: chat template, and the chat response and
-    chunk formats."""
+    """Owns the /v1/chat/completions endpoint: chat template, tool calling, and the chat
+    response and chunk formats."""
+
+    def __init__(self, llm: Any, limits: Any = None,
+                 tool_settings: ToolSettings | None = None) -> None:
+        super().__init__(llm, limits)
+        self.tool_settings = tool_settings or ToolSettings()
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -48,6 +69,12 @@ class OpenAIServingChat(ServingBase):
         params = req.to_sampling_params(self.llm.default_sampling)
         template_kwargs = self.limits.check_template_kwargs(
             req.chat_template_kwargs, getattr(req, "chat_template", None))
+        # Tools: a constraint for "required" / a named function, the template's tools.
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          self.tool_settings)
+        params = constrain_to_tools(params, plan)
+        if plan.template_tools():
+            template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
         conversation = req.conversation()
         self.limits.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
         prompt, ids = await self.llm.render_chat_async(conversation, req.add_generation_prompt,
@@ -57,7 +84,8 @@ class OpenAIServingChat(ServingBase):
         request_id = new_request_id("chatcmpl")
         stream = merge_streams([self.llm.generate(prompt, ids, params, request_id,
                                                   priority=req.priority,
-                                                  cache_salt=req.cache_salt)])
+                                                  cache_salt=req.cache_salt,
+                                                  tenant=self.tenant_of(req, raw))])
         try:
             # The first output decides the status: queue-full, timeout and admission errors
             # get their own HTTP status instead of a broken stream.
@@ -67,16 +95,18 @@ class OpenAIServingChat(ServingBase):
         top_k = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, len(ids), params.n, top_k,
-                                                  first, stream),
+                                                  first, stream, plan),
                                      media_type="text/event-stream")
         try:
             return await until_disconnect(
-                raw, self._collect(req, request_id, len(ids), params.n, top_k, first, stream))
+                raw, self._collect(req, request_id, len(ids), params.n, top_k, first, stream,
+                                   plan))
         except ClientDisconnected:
             return Response(status_code=499)
 
     async def _collect(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                       n: int, top_k: int, first, stream) -> ChatCompletionResponse:
+                       n: int, top_k: int, first, stream,
+                       plan: ToolPlan | None = None) -> ChatCompletionResponse:
         texts = [""] * n
         num_tokens = [0] * n
         logprobs: list[SampleLogprobs] = [[] for _ in range(n)]
@@ -96,20 +126,23 @@ class OpenAIServingChat(ServingBase):
                 final = ro
             item = await anext(stream, None)
         note_tokens(request_id, num_prompt, sum(num_tokens))
+        messages = [tool_message(plan, texts[i]) for i in range(n)]
         return ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatChoice(
-                index=i, message=ChatResponseMessage(role=ROLE, content=texts[i]),
+                index=i, message=messages[i],
                 logprobs=(chat_logprobs(logprobs[i], top_k, req.return_tokens_as_token_ids)
                           if req.logprobs else None),
-                finish_reason=finish[i][0], stop_reason=finish[i][1]) for i in range(n)],
+                finish_reason=tool_finish_reason(finish[i][0], bool(messages[i].tool_calls)),
+                stop_reason=finish[i][1]) for i in range(n)],
             usage=make_usage(num_prompt, sum(num_tokens),
                              final.num_cached_tokens if final else 0),
             metrics=metrics_info(final.metrics if final else None) if req.include_metrics
             else None)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                      n: int, top_k: int, first, stream) -> AsyncGenerator[str, None]:
+                      n: int, top_k: int, first, stream,
+                      plan: ToolPlan | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
         model = self.model_name
 
@@ -124,19 +157,30 @@ class OpenAIServingChat(ServingBase):
         num_tokens = 0
         final: RequestOutput | None = None
         item = first
+        streamers = [ToolCallStreamer(plan) for _ in range(n)] if plan is not None else None
         try:
             while item is not None:
                 _, ro = item
                 choices = []
                 for c in ro.outputs:
                     num_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not c.logprobs:
+                    delta = DeltaMessage(content=c.text or None)
+                    finish_reason = c.finish_reason
+                    if streamers is not None:  # tool calls: content and/or call deltas
+                        s = streamers[c.index]
+                        delta.content, delta.tool_calls = s.feed(c.text,
+                                                                 c.finish_reason is not None)
+                        finish_reason = tool_finish_reason(c.finish_reason, s.called)
+                        if (delta.content is None and delta.tool_calls is None
+                                and c.finish_reason is None and not c.logprobs):
+                            continue
+                    elif not c.text and c.finish_reason is None and not c.logprobs:
                         continue
                     choices.append(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text or None),
+                        index=c.index, delta=delta,
                         logprobs=(chat_logprobs(c.logprobs, top_k, req.return_tokens_as_token_ids)
                                   if c.logprobs else None),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        finish_reason=finish_reason, stop_reason=c.stop_reason))
                 if ro.finished:
                     final = ro
                 for k, choice in enumerate(choices):

@@ -69,8 +69,10 @@ class OpenAIServingCompletion(ServingBase):
             prompts.append((text if len(kept) == len(ids) else None, kept))
         note_prompt(prompts[0][0])
         request_id = new_request_id("cmpl")
+        tenant = self.tenant_of(req, raw)
         streams = [self.llm.generate(text, ids, params, f"{request_id}-{i}",
-                                     priority=req.priority, cache_salt=req.cache_salt)
+                                     priority=req.priority, cache_salt=req.cache_salt,
+                                     tenant=tenant)
                    for i, (text, ids) in enumerate(prompts)]
         merged = merge_streams(streams)
         try:

@@ -84,6 +84,10 @@ class SchedulingPolicy:
     def on_finish(self, req: Request) -> None:
         """``req`` left the scheduler for good (its status says how)."""
 
+    def tenant_stats(self) -> dict[str, dict[str, float]]:
+        """Service per tenant (only ``fair`` accounts it)."""
+        return {}
+
 
 class PriorityPolicy(SchedulingPolicy):
     """Lower ``priority`` value first, then arrival; higher values are preempted first, and a

@@ -26,7 +26,7 @@ from typing import Callable
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.kv_cache.fragmentation import external_fragmentation
-from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager
 from llmtower.core.kv_cache.relocator import BlockRelocator, DefragResult, Move, written_blocks
 from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
                                    ModelRunnerOutput, NewRequestData, RequestMetrics,
@@ -192,6 +192,23 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             aborted.append(rid)
         return aborted
+
+    def update_priority(self, request_id: str, priority: int) -> bool:
+        """Change a request's priority in any state; False if it is unknown or finished.
+
+        Waiting: re-keyed in the queue, so it moves at once. Running or swapped: the new value
+        counts from the next victim choice and the next admission decision on."""
+        if not self.policy.may_displace:
+            raise ValueError(f"cannot set a priority: the scheduler policy is "
+                             f"{self.config.policy!r}; priorities need --policy priority")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, not {priority!r}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        req.priority = priority
+        self.waiting.rekey(req)  # a no-op unless it waits
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -623,7 +640,7 @@ class Scheduler:
             del self.waiting_for_grammar[req.request_id]
             self.num_rejected += 1
             self._request_errors.append((req.request_id, why))
-            self._finish(req, RequestStatus.FINISHED_IGNORED)
+            self._finish(req, RequestStatus.FINISHED_REJECTED)
 
     def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None,
                          new_tokens: list[int]) -> RequestStatus | None:
@@ -713,6 +730,7 @@ class Scheduler:
             last_step_num_prefill_tokens=step.num_prefill_tokens,
             last_step_num_decode_tokens=total - step.num_prefill_tokens,
             token_budget=self.config.max_num_batched_tokens,
+            tenants=self.policy.tenant_stats(),
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
