@@ -43,6 +43,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                       help="Jinja chat template (a file, or the template itself) used instead "
                       "of the tokenizer's; needed to chat with a model that has none")
     _add_guard_args(p)
+    _add_tool_args(p)
     logs = p.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"],
@@ -99,8 +100,21 @@ def run(args: argparse.Namespace) -> int:
                               enable_log_requests=args.enable_log_requests,
                               max_log_len=args.max_log_len,
                               log_stats=not args.disable_log_stats,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser,
                               **_guard_settings(args))
     return run_server(EngineArgs.from_cli_args(args), settings)
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    """Tool calling (vLLM's flags; see docs/structured_outputs.md)."""
+    g = p.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice=\"auto\" (the default when a request sends tools): "
+                   "the model decides, --tool-call-parser finds its calls")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, "
+                   "Qwen2.5 / SmolLM2 style) or llama3_json")
 
 
 def _add_guard_args(p: argparse.ArgumentParser) -> None:

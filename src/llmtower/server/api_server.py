@@ -44,6 +44,7 @@ from llmtower.server.protocol import (
     TokenizeRequest,
 )
 from llmtower.server.serving_chat import OpenAIServingChat
+from llmtower.server.tool_parsers.tool_choice import ToolSettings
 from llmtower.server.serving_completions import OpenAIServingCompletion
 from llmtower.server.serving_probes import build_probe_router
 from llmtower.server.serving_responses import build_responses_router
@@ -77,6 +78,9 @@ class ServerSettings:
     metrics_require_auth: bool = False  # /metrics behind the API key
     allowed_hosts: list[str] | None = None  # Host-header allow-list (None: any host)
     expose_model_path: bool = False  # /v1/models `root` = the model's path, not its name
+    # Tool calling (issue 12): tool_choice="auto" needs both.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -122,7 +126,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         llm.max_model_len, max_n=settings.max_n,
         trust_request_chat_template=settings.trust_request_chat_template)
     completions = OpenAIServingCompletion(llm, limits)
-    chat = OpenAIServingChat(llm, limits)
+    chat = OpenAIServingChat(llm, limits, ToolSettings(settings.enable_auto_tool_choice,
+                                                        settings.tool_call_parser))
     app.include_router(build_admin_router(llm))
     app.include_router(build_responses_router(chat))
     app.include_router(build_probe_router(llm))

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 import llmtower
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.server.text_checks import find_lone_surrogate
+from llmtower.server.tool_parsers.base import template_tool_call
 from llmtower.server.unknown_fields import reject_unknown_fields
 from llmtower.structured_output.request_fields import structured_outputs_of
 
@@ -187,6 +188,20 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Tool calling: an assistant's calls, and a tool message's answer to one of them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool-call arguments as objects)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            d["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
+        return d
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -210,6 +225,7 @@ class ChatCompletionRequest(SamplingRequestFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -224,8 +240,8 @@ class ChatCompletionRequest(SamplingRequestFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, defaults)
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
 class TokenizeRequest(OpenAIModel):
