@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmtower.models import gguf_cache
-from llmtower.models.gguf_cache import cache_root, cached_hf_dir
+from llmtower.models.gguf_cache import cached_hf_dir
+from llmtower.utils import cache_root
 from llmtower.models.loader import load_model_config, resolve_model_path
 from tests.fixtures.tiny_gguf import write_gguf_from_hf_dir
 

@@ -19,7 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
     FINISHED_ABORTED = 12
-    FINISHED_IGNORED = 13  # rejected at admission
+    FINISHED_REJECTED = 13  # refused at admission
 
     @property
     def finished(self) -> bool:
@@ -30,13 +30,11 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-FINISHED_REJECTED = RequestStatus.FINISHED_IGNORED
-
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "rejected",
+    RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
 
@@ -81,7 +79,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "cache_salt", "status", "all_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "max_tokens",
-        "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key", "lora", "client_index",
+        "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key",
         "seq", "queue_entry", "queued_tokens", "tenant",
         "spec_token_ids", "spec_num_draft_tokens", "spec_num_accepted_tokens",
         "structured_output",
@@ -120,8 +118,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_bypassed = 0  # later requests admitted while this one did not fit
         self.sort_key: tuple = ()
-        self.lora = None
-        self.client_index = 0
         # Admission sequence number, set by the scheduler: the last tie-break of every
         # ordering, so that equal arrival times (n > 1 fan-out) still give a strict order.
         self.seq = 0

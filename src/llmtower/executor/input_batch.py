@@ -13,6 +13,7 @@ import torch
 
 from llmtower.core.outputs import CachedRequestData, NewRequestData
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.utils import cdiv
 
 
 class InputBatch:
@@ -24,7 +25,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.max_blocks_per_req = -(-max_model_len // block_size) + 1
+        self.max_blocks_per_req = cdiv(max_model_len, block_size) + 1
         self.eos_token_ids = list(eos_token_ids)
         self.req_id_to_row: dict[str, int] = {}
         self.row_to_req_id: list[str | None] = []

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from llmtower.models.gguf_cache import cache_root
+from llmtower.utils import cache_root
 
 HERE = Path(__file__).resolve().parent
 # -fopenmp: threads from the OpenMP runtime PyTorch already loaded, and `#pragma omp simd`;

@@ -19,16 +19,11 @@ import time
 from pathlib import Path
 
 from llmtower.models.gguf_convert import CONVERTER_VERSION, convert_gguf_to_hf_dir
+from llmtower.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
 _STALE_TMP_SECONDS = 3600
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/llmtower``, or ``~/.cache/llmtower`` when XDG_CACHE_HOME is unset."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llmtower"
 
 
 def cache_key(gguf_path: Path) -> str:

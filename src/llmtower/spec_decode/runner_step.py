@@ -25,12 +25,13 @@ from llmtower.executor.sampler import Sampler
 from llmtower.spec_decode.adaptive import AdaptiveDraftLength
 from llmtower.spec_decode.config import SpeculativeConfig
 from llmtower.spec_decode.proposer import Proposer, make_proposer
+from llmtower.utils import cdiv
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """KV blocks a request keeps after a verification: those of its real tokens. The
     scheduler and the runner both trim to this, so their block tables stay equal."""
-    return -(-num_tokens // block_size)
+    return cdiv(num_tokens, block_size)
 
 
 def expand_logits_indices(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
@@ -39,6 +40,16 @@ def expand_logits_indices(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.n
     starts = np.repeat(last_rows - num_drafts, counts)
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return starts + within
+
+
+def _can_verify(batch: InputBatch, row: int, num_tokens: int) -> bool:
+    """Whether the rejection sampler reproduces this row's sampler exactly at every draft
+    position. Penalties depend on every token before the position, min_tokens masks stop
+    tokens until enough outputs exist, and logprobs are reported per sampled token: such
+    requests decode without drafts (min_tokens only until it is reached)."""
+    return (batch.presence_penalty[row] == 0.0 and batch.frequency_penalty[row] == 0.0
+            and batch.repetition_penalty[row] == 1.0 and batch.num_logprobs[row] < 0
+            and num_tokens - batch.num_prompt_tokens[row] >= batch.min_tokens[row])
 
 
 class SpecDecodeStep:
@@ -129,10 +140,10 @@ class SpecDecodeStep:
         ids, hists, ks, where = [], [], [], []
         for j, i in enumerate(sampled_idx.tolist()):
             row = int(rows[j])
-            if batch.needs_processing[row]:
-                continue  # penalties / min_tokens / logprobs: plain decoding only
-            rid = req_ids[i]
             n = int(batch.num_tokens[row])
+            if batch.needs_processing[row] and not _can_verify(batch, row, n):
+                continue
+            rid = req_ids[i]
             kk = min(self.adaptive.num_drafts(rid), self.max_model_len - n)
             if kk <= 0:
                 continue

@@ -19,10 +19,7 @@ from llmtower.core.kv_cache.block_hash import extend_block_hashes
 from llmtower.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from llmtower.core.kv_cache.pinned import PinnedBlocks
 from llmtower.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from llmtower.utils import cdiv
 
 
 class KVCacheManager:
@@ -120,7 +117,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(rid)
         num_existing = len(req_blocks) if req_blocks is not None else 0
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-total // self.block_size)
+        num_required = cdiv(total, self.block_size)
         if not new_computed_blocks and req_blocks is not None and num_required <= num_existing:
             return []  # the common decode step: the current block still has room
         hits = new_computed_blocks or []
@@ -165,7 +162,7 @@ class KVCacheManager:
         (those that only held rejected draft tokens); returns how many. Never a cached block:
         cached blocks are full of computed tokens, and those are all below ``num_tokens``."""
         blocks = self.req_to_blocks.get(request.request_id)
-        keep = -(-num_tokens // self.block_size)
+        keep = cdiv(num_tokens, self.block_size)
         if not blocks or len(blocks) <= keep:
             return 0
         tail = blocks[keep:]
