@@ -60,3 +60,27 @@ def assert_nothing_held(core: EngineCore) -> None:
     kv = core.scheduler.kv
     assert not kv.req_to_blocks
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+class ContinuationProposer:
+    """Drafts the known continuation of each prompt (an oracle: every draft is accepted
+    under greedy decoding), so tests can place any output token inside an accepted draft."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.known = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def propose(self, req_ids, histories, num_drafts):
+        out = []
+        for h, k in zip(histories, num_drafts):
+            h = h.tolist()
+            got: list[int] = []
+            for n in range(1, len(h)):
+                cont = self.known.get(tuple(h[:n]))
+                if cont is not None and h[n:] == cont[:len(h) - n]:
+                    got = cont[len(h) - n:len(h) - n + k]
+                    break
+            out.append(got)
+        return out
+
+    def remove(self, req_id):
+        pass

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import msgspec
+
 from llmtower.core.outputs import EngineCoreOutput, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.detokenizer import DecodeFn, IncrementalDetokenizer
@@ -57,6 +59,31 @@ class RequestState:
     def update(self, out: EngineCoreOutput) -> bool:
         """Take one step's output from the engine. Returns True when a stop string ended the
         request here: the engine does not know yet and must be told to abort it."""
+        if len(out.new_token_ids) > 1 and self.stop_checker.stop:
+            return self._update_token_by_token(out)
+        return self._update_one(out)
+
+    def _update_token_by_token(self, out: EngineCoreOutput) -> bool:
+        """Several tokens in one step (accepted draft tokens of speculative decoding): take
+        them one at a time so that a stop string ends the output at the token completing it,
+        exactly as without speculation."""
+        toks, lps = out.new_token_ids, out.new_logprobs
+        last = len(toks) - 1
+        for j, tok in enumerate(toks):
+            final = j == last
+            piece = msgspec.structs.replace(
+                out, new_token_ids=[tok], new_logprobs=lps[j:j + 1] if lps else lps,
+                finish_reason=out.finish_reason if final else None,
+                stop_reason=out.stop_reason if final else None,
+                metrics=out.metrics if final else None)
+            stopped = self._update_one(piece)
+            if self.finished:
+                if out.metrics is not None:
+                    self.metrics = out.metrics
+                return stopped and not out.finished
+        return False
+
+    def _update_one(self, out: EngineCoreOutput) -> bool:
         if not self.first_token_time and out.new_token_ids:
             self.first_token_time = time.monotonic()
             self.queue_time = out.queue_time
