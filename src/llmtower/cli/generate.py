@@ -42,6 +42,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="0 for greedy decoding (default: 0.7)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0, off)")
     s.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top token's probability "
+                   "(default: 0, off)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already seen by this (> 1 repeats less; "
+                   "default: 1, off)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="Jinja chat template (a file, or the template itself) instead of the "
+                   "tokenizer's")
     s.add_argument("--seed", type=int, default=None,
                    help="sampling seed, for reproducible output (default: none)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -52,8 +61,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos)
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    from llmtower.engine.input_processor import resolve_chat_template
+    return resolve_chat_template(args.chat_template)
 
 
 def _make_llm(args: argparse.Namespace):
@@ -94,7 +109,8 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        stream = llm.stream_chat(messages + [{"role": "user", "content": prompt}], sp)
+        stream = llm.stream_chat(messages + [{"role": "user", "content": prompt}], sp,
+                                 chat_template=_chat_template(args))
     else:
         stream = llm.stream(prompt, sp)
     _, num_tokens, finish_reason = _print_stream(stream)
@@ -109,8 +125,10 @@ def run_chat(args: argparse.Namespace) -> int:
 
     sp = _sampling_params(args)
     llm = _make_llm(args)
-    if not getattr(llm.get_tokenizer(), "chat_template", None):
-        raise ValueError(f"model {args.model!r} has no chat template: use `llmtower generate`")
+    template = _chat_template(args)
+    if template is None and not getattr(llm.get_tokenizer(), "chat_template", None):
+        raise ValueError(f"model {args.model!r} has no chat template: pass --chat-template "
+                         "FILE, or use `llmtower generate`")
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     interactive = sys.stdin.isatty()
@@ -131,7 +149,7 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": message})
         try:
-            reply, _, _ = _print_stream(llm.stream_chat(history, sp))
+            reply, _, _ = _print_stream(llm.stream_chat(history, sp, chat_template=template))
         except KeyboardInterrupt:
             print("\n(reply stopped)", file=sys.stderr)
             history.pop()
