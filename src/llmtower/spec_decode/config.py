@@ -25,7 +25,9 @@ class SpeculativeConfig:
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths that ngram matches.
     - ``suffix_decoding_max_tree_depth``: longest suffix (tokens) the suffix trees index.
     - ``suffix_decoding_max_cached_requests``: finished requests kept in the global suffix tree
-      (its memory bound; 0: only each request's own tokens are used).
+      (0: only each request's own tokens are used).
+    - ``suffix_decoding_max_cached_tokens``: most output tokens in the global tree (its memory
+      bound: at most this many times ``max_tree_depth`` nodes; beyond vLLM's names).
     - ``suffix_decoding_max_spec_factor``: a suffix match of length m drafts at most
       ``factor * m`` tokens (longer matches earn longer drafts).
     - ``suffix_decoding_min_token_prob``: stop drafting when the estimated probability of the
@@ -42,6 +44,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_cached_tokens: int = 32768
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None
@@ -68,6 +71,9 @@ class SpeculativeConfig:
         need(isinstance(self.suffix_decoding_max_cached_requests, int)
              and self.suffix_decoding_max_cached_requests >= 0,
              "suffix_decoding_max_cached_requests", "an integer >= 0")
+        need(isinstance(self.suffix_decoding_max_cached_tokens, int)
+             and self.suffix_decoding_max_cached_tokens >= 0,
+             "suffix_decoding_max_cached_tokens", "an integer >= 0")
         need(self.suffix_decoding_max_spec_factor > 0, "suffix_decoding_max_spec_factor",
              "a number > 0")
         need(0.0 <= self.suffix_decoding_min_token_prob <= 1.0, "suffix_decoding_min_token_prob",

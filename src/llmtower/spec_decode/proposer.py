@@ -11,9 +11,10 @@ from llmtower.spec_decode.config import SpeculativeConfig
 class Proposer(Protocol):
     """Drafts tokens for requests from their token history (prompt + accepted outputs)."""
 
-    def propose(self, req_ids: list[str], histories: list[np.ndarray],
-                num_drafts: list[int]) -> list[list[int]]:
-        """Up to ``num_drafts[i]`` tokens continuing ``histories[i]`` (may be fewer or none)."""
+    def propose(self, req_ids: list[str], histories: list[np.ndarray], num_drafts: list[int],
+                num_prompts: list[int] | None = None) -> list[list[int]]:
+        """Up to ``num_drafts[i]`` tokens continuing ``histories[i]`` (may be fewer or none);
+        ``num_prompts[i]``: how many of the history's tokens are the prompt."""
         ...
 
     def remove(self, req_id: str) -> None:
@@ -32,5 +33,6 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return SuffixProposer(config.suffix_decoding_max_tree_depth,
                               config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor,
-                              config.suffix_decoding_min_token_prob)
+                              config.suffix_decoding_min_token_prob,
+                              config.suffix_decoding_max_cached_tokens)
     raise ValueError(f"speculative method {config.method!r} needs the executor to build it")

@@ -137,7 +137,7 @@ class SpecDecodeStep:
 
     def _propose(self, req_ids: list[str], sampled_idx: np.ndarray, rows: np.ndarray,
                  batch: InputBatch) -> list[list[int]]:
-        ids, hists, ks, where = [], [], [], []
+        ids, hists, ks, prompts, where = [], [], [], [], []
         for j, i in enumerate(sampled_idx.tolist()):
             row = int(rows[j])
             n = int(batch.num_tokens[row])
@@ -150,10 +150,11 @@ class SpecDecodeStep:
             ids.append(rid)
             hists.append(batch.token_ids[row, :n])
             ks.append(kk)
+            prompts.append(int(batch.num_prompt_tokens[row]))
             where.append(i)
         out: list[list[int]] = [[] for _ in req_ids]
         if ids:
-            for i, d in zip(where, self.proposer.propose(ids, hists, ks)):
+            for i, d in zip(where, self.proposer.propose(ids, hists, ks, prompts)):
                 out[i] = d
         return out
 
