@@ -180,21 +180,31 @@ def test_data_parallel_spreads_requests_and_merges_outputs(tokenizer):
     assert ping.num_unfinished_requests == 0 and in_flight == [0, 0]
 
 
-def test_data_parallel_engine_death_fails_requests_with_503(tokenizer):
-    """One engine of two dies: the server is dead (503), even for a request on the other."""
+def test_data_parallel_engine_death_spares_the_other_engines_requests(tokenizer):
+    """One engine of two dies: a request on the other one finishes, the server stays up and
+    says which rank is gone; when the last engine dies too, the server is dead (503)."""
     async def body(llm):
         gen = llm.generate("Hello world", llm.encode("Hello world"),
-                           SamplingParams(max_tokens=100, ignore_eos=True), "long")
+                           SamplingParams(max_tokens=60, ignore_eos=True), "long")
         await gen.__anext__()
         assert llm.client.in_flight == [1, 0]  # the request lives on engine 0
         os.kill(llm.client.pids[1], signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="engine 1 of 2"):
-            async for _ in gen:
-                pass
-        return llm.is_dead, llm.dead_reason
+        n = 1
+        async for ro in gen:
+            n += 1
+        alive_after_one, health = not llm.is_dead, llm.client.health()
+        os.kill(llm.client.pids[0], signal.SIGKILL)
+        for _ in range(200):
+            if llm.is_dead:
+                break
+            await asyncio.sleep(0.02)
+        return n, alive_after_one, health, llm.is_dead, llm.dead_reason
 
-    dead, reason = _run(tokenizer, body, factory=make_slow_fake_engine, data_parallel_size=2)
-    assert dead and "SIGKILL" in reason
+    n, alive_after_one, health, dead, reason = _run(
+        tokenizer, body, factory=make_slow_fake_engine, data_parallel_size=2)
+    assert n >= 2 and alive_after_one
+    assert health["lost_ranks"].keys() == {"1"} and "SIGKILL" in health["lost_ranks"]["1"]
+    assert dead and "every data-parallel rank is lost" in reason
 
 
 def test_offline_llm_refuses_data_parallel():

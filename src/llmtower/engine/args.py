@@ -128,6 +128,10 @@ class EngineArgs:
     dtype: str = _f("float32", "weight and activation dtype: float32 or bfloat16",
                     choices=["float32", "bfloat16", "auto"])
     seed: int = _f(0, "global random seed")
+    quantization: str = _f("none", "keep the linear layers' weights quantized: 'int8' (per "
+                           "channel) or 'int4' (groups of 32) quantized on load, 'gguf' (a .gguf "
+                           "model's own Q4_0/Q4_1/Q8_0 blocks); see docs/performance.md",
+                           choices=["none", "int8", "int4", "gguf"])
     num_threads: int = _f(0, "torch CPU threads of each engine (0: the cores, shared out "
                                  "between data-parallel engines)")
     attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
@@ -196,6 +200,8 @@ class EngineArgs:
                         "connect to --data-parallel-address")
     dp_sync_interval: int = _f(32, "steps between two syncs (an all-reduce) of the "
                                "data-parallel engines")
+    dp_startup_timeout: float = _f(300.0, "seconds the head waits at start-up for the ranks of "
+                                   "the --headless hosts", type=float)
     dp_timeout: float = _f(30.0, "seconds any wait on the data-parallel group or on a remote "
                            "engine may take before that engine counts as lost", type=float)
     generation_config: str = _f("auto", "sampling defaults (temperature, top_p, top_k, min_p, "

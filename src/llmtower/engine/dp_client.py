@@ -154,7 +154,8 @@ class DPEngineCoreClient:
         remote one; if one fails (or a remote rank does not arrive in time), stop them all
         and raise an error that names the rank."""
         self._start_store()
-        remote_timeout = timeout_s if timeout_s is not None else self.engine_args.dp_timeout * 4
+        remote_timeout = timeout_s if timeout_s is not None else \
+            self.engine_args.dp_startup_timeout
         results = await asyncio.gather(
             *(c.start(remote_timeout if isinstance(c, RemoteEngineClient) else timeout_s)
               for c in self.clients), return_exceptions=True)
