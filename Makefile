@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.llmtower-installed
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install bench clean lint
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Static checks: ruff (style, imports, unused code) and mypy (types) over src/.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV)

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 from llmtower.bench.serve_client import RequestResult, build_payload, send_request
-from llmtower.bench.serve_dataset import (BenchRequest, load_jsonl_requests,
-                                          sample_random_requests)
+from llmtower.bench.serve_dataset import BenchRequest, load_jsonl_requests, sample_random_requests
 from llmtower.bench.serve_metrics import compute_metrics, format_report, parse_goodput
 
 

@@ -18,7 +18,7 @@ def register(sub) -> None:
         try:
             mod = importlib.import_module(f"llmtower.bench.{name}")
         except ImportError:
-            bp.set_defaults(handler=lambda a, n=name: _missing(n))
+            bp.set_defaults(handler=lambda _args, n=name: _missing(n))
             continue
         mod.add_cli_args(bp)
         bp.set_defaults(handler=mod.run)

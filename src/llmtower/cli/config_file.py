@@ -41,19 +41,21 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
         action = options.get(str(key).lstrip("-").replace("_", "-"))
         if action is None or key == "config":
             raise ValueError(f"--config {path}: unknown flag {key!r}; see --help for the flags")
-        if isinstance(action, argparse.BooleanOptionalAction) or isinstance(
-                action.const, bool) and action.nargs == 0:
+        convert = action.type if callable(action.type) else str
+        is_switch = isinstance(action, argparse.BooleanOptionalAction) or (
+            isinstance(action.const, bool) and action.nargs == 0)
+        if is_switch:
             if not isinstance(value, bool):
                 raise ValueError(f"--config {path}: {key} must be true or false, not {value!r}")
         elif isinstance(value, list):
             if action.nargs not in ("+", "*"):
                 raise ValueError(f"--config {path}: {key} takes one value, not a list")
-            value = [action.type(str(v)) if action.type else str(v) for v in value]
+            value = [convert(str(v)) for v in value]
         elif value is not None:
             # A string default is converted by argparse with the flag's own type.
             value = str(value)
             if action.nargs in ("+", "*"):
-                value = [action.type(value) if action.type else value]
+                value = [convert(value)]
         if action.choices is not None and value is not None and not isinstance(value, list) \
                 and value not in action.choices:
             raise ValueError(f"--config {path}: {key}={value!r} is not one of "

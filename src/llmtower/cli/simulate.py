@@ -80,6 +80,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                     help="requests share one of N prompt prefixes (0: no sharing)")
     wl.add_argument("--prefix-len", type=int, default=256, help="length of a shared prefix")
     wl.add_argument("--save-trace", default=None, help="write the generated trace as JSONL")
+    wl.add_argument("--oracle-output-len", action=argparse.BooleanOptionalAction, default=True,
+                    help="give each request max_tokens = its true output length (the scheduler "
+                    "then knows it); --no-oracle-output-len leaves max_tokens open and ends each "
+                    "request with an EOS, so sjf must predict lengths online")
     out = p.add_argument_group("output")
     out.add_argument("--compare", default=None, metavar="FIELD=V1,V2,...",
                      help="run one variant per value of any engine/cluster setting on the same "
@@ -110,7 +114,7 @@ def sim_config_from(ns: argparse.Namespace):
                      load_balancer=ns.load_balancer,
                      gpu_memory_utilization=ns.gpu_memory_utilization,
                      kv_cache_memory=ns.kv_cache_memory, prefix_len=ns.prefix_len,
-                     slo=SLO.parse(ns.slo))
+                     slo=SLO.parse(ns.slo), oracle_output_len=ns.oracle_output_len)
 
 
 def load_trace(ns: argparse.Namespace):
@@ -178,7 +182,7 @@ class _ProgressBar:
                                  refresh=False)
         self.bar.refresh()
 
-    def __enter__(self) -> "_ProgressBar":
+    def __enter__(self) -> _ProgressBar:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,12 +10,13 @@ from llmtower.core.sched.scheduler import Scheduler
 from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
-from llmtower.structured_output.manager import make_xgrammar_manager
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
 from llmtower.models.config import ModelConfig
-from llmtower.models.loader import load_model_config, load_state_dict, resolve_model_path
+from llmtower.models.loader import load_model_config, resolve_model_path
+from llmtower.models.quant_loader import load_model_weights
 from llmtower.models.weights import resolve_dtype
+from llmtower.structured_output.manager import make_xgrammar_manager
 
 # The default context length when the model's own is longer: KV memory and the rotary tables
 # grow with it, and few CPU workloads need more.
@@ -83,9 +84,10 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
         logger.warning("max_model_len is %d because %s: longer contexts are refused",
                        max_model_len, reason)
     scheduler_config = args.create_scheduler_config(max_model_len, reason)
-    state_dict = load_state_dict(path, dtype)
+    state_dict = load_model_weights(args.model, path, dtype, args.quantization)
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
-                           attention_backend=args.attention_backend)
+                           attention_backend=args.attention_backend,
+                           quantization=args.quantization)
     del state_dict
     if args.speculative is not None:
         from llmtower.spec_decode.setup import attach_spec_decode

@@ -108,7 +108,8 @@ class InputProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **template_kwargs: Any) -> PromptItem:
+                    chat_template: str | None = None, **template_kwargs: Any
+                    ) -> tuple[str, list[int]]:
         """A conversation as prompt text and token ids, through ``chat_template`` if given,
         else the operator's ``--chat-template``, else the tokenizer's own."""
         if not isinstance(conversation, list) or not all(

@@ -9,16 +9,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
-from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.kv_cache.relocator import DefragResult
+from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.sampling_params import SamplingParams
-from llmtower.engine.preload import PreloadStatus
 from llmtower.engine.args import DEFAULT_MODEL, EngineArgs
-from llmtower.engine.input_processor import (Conversation, InputProcessor, PromptItem,
-                                             load_generation_defaults)
+from llmtower.engine.input_processor import (
+    Conversation,
+    InputProcessor,
+    PromptItem,
+    load_generation_defaults,
+)
 from llmtower.engine.output_processor import OutputProcessor
+from llmtower.engine.preload import PreloadStatus
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 
 
@@ -59,7 +63,7 @@ class LLM:
 
     @classmethod
     def from_engine_core(cls, engine_core: Any, tokenizer: Any,
-                         eos_token_ids: Sequence[int] | None = None) -> "LLM":
+                         eos_token_ids: Sequence[int] | None = None) -> LLM:
         """An ``LLM`` over an engine core built elsewhere (tests, benchmarks, other executors).
         ``eos_token_ids`` default to the tokenizer's EOS token."""
         llm = cls.__new__(cls)
@@ -101,10 +105,9 @@ class LLM:
              priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         to a list of them, rendered with the tokenizer's chat template."""
-        if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
-            conversations = messages
-        else:
-            conversations = [messages]  # type: ignore[list-item]
+        conversations: list[Conversation] = (
+            messages if messages and all(isinstance(m, list) for m in messages)  # type: ignore[assignment]
+            else [messages])  # type: ignore[list-item]
         items = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
         return self._run(items, sampling_params, use_tqdm, priority)
 
@@ -149,7 +152,8 @@ class LLM:
         self._check_idle()
         if isinstance(prompts, list) and prompts and all(
                 isinstance(c, list) and c and isinstance(c[0], dict) for c in prompts):
-            ids = [self.render_chat(c, add_generation_prompt=False)[1] for c in prompts]
+            ids = [self.render_chat(cast(Conversation, c), add_generation_prompt=False)[1]
+                   for c in prompts]
         else:
             ids = [t for _, t in self._tokenize_prompts(prompts)]
         st = self.engine_core.preload(ids, pin)
@@ -174,7 +178,7 @@ class LLM:
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

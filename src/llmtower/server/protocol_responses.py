@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from llmtower.server.protocol import (MAX_MESSAGES, ChatCompletionRequest, Count, Int64,
-                                      OpenAIModel)
+from llmtower.server.protocol import MAX_MESSAGES, ChatCompletionRequest, Count, Int64, OpenAIModel
 
 
 class InputContentPart(OpenAIModel):
@@ -73,11 +72,12 @@ class ResponsesRequest(OpenAIModel):
                           "content": m.text()} for m in self.input]
         if not messages:
             raise ValueError("input is empty: send a string or at least one message")
-        return ChatCompletionRequest(
-            model=self.model, messages=messages, max_tokens=self.max_output_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stream=stream,
-            stream_options={"include_usage": True} if stream else None, user=self.user)
+        return ChatCompletionRequest.model_validate({
+            "model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed, "stream": stream, "user": self.user,
+            "stream_options": {"include_usage": True} if stream else None})
 
 
 class OutputText(OpenAIModel):

@@ -104,7 +104,7 @@ async def merge_streams(streams: list[AsyncGenerator[T, None]]
             async for item in streams[0]:
                 yield 0, item
         finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -5,16 +5,22 @@ response.created ... response.output_text.delta ... response.completed)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterable
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmtower.server.protocol import ChatCompletionResponse
-from llmtower.server.protocol_responses import (IncompleteDetails, InputTokensDetails,
-                                                OutputMessage, OutputText, ResponsesRequest,
-                                                ResponsesResponse, ResponseUsage)
+from llmtower.server.protocol_responses import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponseUsage,
+)
 from llmtower.server.serving_chat import OpenAIServingChat
 
 
@@ -61,7 +67,7 @@ class OpenAIServingResponses:
         out.usage = _usage(answer.usage.model_dump() if answer.usage else None)
         return JSONResponse(out.model_dump(mode="json"))
 
-    async def _stream(self, req: ResponsesRequest, chunks: AsyncIterator[Any]
+    async def _stream(self, req: ResponsesRequest, chunks: AsyncIterable[Any]
                       ) -> AsyncGenerator[str, None]:
         seq = 0
 
@@ -100,7 +106,8 @@ class OpenAIServingResponses:
                     text += delta
                     yield event("response.output_text.delta", **ids, delta=delta, logprobs=[])
                 finish = choice.get("finish_reason") or finish
-        status = "incomplete" if finish == "length" else "completed"
+        status: Literal["completed", "incomplete"] = (
+            "incomplete" if finish == "length" else "completed")
         yield event("response.output_text.done", **ids, text=text, logprobs=[])
         yield event("response.content_part.done", **ids, part={**part, "text": text})
         message.status = status
