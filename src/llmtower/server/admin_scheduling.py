@@ -5,6 +5,9 @@
   the one the API answered with (``id`` of the completion / chat completion). 404 for an
   unknown or finished request; 400 for a bad body or a server that does not run
   ``--policy priority``. Answers ``{"id", "priority", "num_sequences"}``.
+- ``GET /v1/admin/tenants``: under ``--policy fair``, per tenant: tokens served, requests
+  admitted, their summed queue time (s), requests unfinished, the virtual token counter and
+  the weight (``{"tenants": {name: {...}}}``; with several engines, engine 0's).
 - ``POST /v1/admin/reset_prefix_cache``: forget the prefix cache. Refused (as in vLLM) while
   any request holds KV blocks: answers ``{"reset": false}`` then, ``{"reset": true}`` when
   done.
@@ -52,6 +55,11 @@ def add_scheduling_routes(router: APIRouter, llm: AsyncLLM) -> None:
         except ValueError as e:
             raise APIError(str(e), 400, param="priority") from None
         return {"id": request_id, "priority": priority, "num_sequences": n}
+
+    @router.get("/tenants")
+    async def tenants() -> dict:
+        stats = await _engine_call(llm.get_stats(CALL_TIMEOUT_S))
+        return {"tenants": stats.tenants}
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:

@@ -205,6 +205,7 @@ def format_compare_table(field_name: str, results: list[tuple[str, SimResult]]) 
     """One row per variant: throughput, latencies, goodput and the scheduler's counters; plus
     the p99 TTFT of each priority class when the trace has several."""
     prios = sorted({p for _, r in results for p in r.by_priority}, key=int)
+    tenants = sorted({t for _, r in results for t in r.by_tenant})
     width = max(14, len(field_name) + 2, *(len(v) + 2 for v, _ in results))
     cols = [(field_name, width), ("req/s", 9), ("out tok/s", 10), ("TTFT mean", 10),
             ("TTFT p99", 10), ("TPOT mean", 10), ("TPOT p99", 9), ("E2E p99", 10)]
@@ -213,6 +214,8 @@ def format_compare_table(field_name: str, results: list[tuple[str, SimResult]]) 
     cols += [("preempt", 8), ("swaps", 7), ("hit %", 7), ("peak KV%", 9)]
     if len(prios) > 1:
         cols += [(f"p{p} TTFT p99", 13) for p in prios]
+    if len(tenants) > 1:
+        cols += [(f"{t} TTFT p99", max(13, len(t) + 11)) for t in tenants]
     lines = ["".join(f"{c:>{w}}" for c, w in cols)]
     for value, r in results:
         s = r.summary
@@ -227,6 +230,9 @@ def format_compare_table(field_name: str, results: list[tuple[str, SimResult]]) 
         if len(prios) > 1:
             cells += [f"{r.by_priority[p]['ttft_ms']['p99']:.1f}" if p in r.by_priority else "-"
                       for p in prios]
+        if len(tenants) > 1:
+            cells += [f"{r.by_tenant[t]['ttft_ms']['p99']:.1f}" if t in r.by_tenant else "-"
+                      for t in tenants]
         lines.append("".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
     lines.append("(latencies in ms)")
     return "\n".join(lines)

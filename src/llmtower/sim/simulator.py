@@ -57,6 +57,11 @@ class SimConfig:
     kv_cache_memory: str | None = None
     prefix_len: int = 256  # shared-prefix length for trace lines without their own
     slo: SLO = field(default_factory=SLO)
+    # True: each request's max_tokens is its true output length (the scheduler, SJF and the
+    # `remaining` victim rule see the oracle). False: max_tokens is left open (up to the
+    # context) and the request ends with an EOS at its length, as real requests do; SJF then
+    # relies on its online predictor.
+    oracle_output_len: bool = True
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -123,6 +128,7 @@ class Simulator:
         prompts = PromptFactory(cfg.engine.seed, cfg.prefix_len)
         use_priority = self.scheduler_config.policy == "priority"
         params: dict[int, SamplingParams] = {}
+        oracle = cfg.oracle_output_len
         heap: list[tuple[float, int, int]] = []  # (time, sequence, replica): step boundaries
         wake = [False] * len(replicas)  # a step-start event is in the heap
         seq = 0
@@ -137,13 +143,16 @@ class Simulator:
             if i < n and (not heap or trace[i].arrival_time <= heap[0][0]):
                 tr = trace[i]
                 rep = replicas[balancer.choose(replicas)]
+                ids = prompts.token_ids(tr)
                 sp = params.get(tr.output_len)
                 if sp is None:
-                    sp = params[tr.output_len] = SamplingParams(
-                        max_tokens=tr.output_len, ignore_eos=True, temperature=0.0)
-                rep.pending.append(Request(tr.request_id, prompts.token_ids(tr), sp,
+                    sp = params[tr.output_len] = _sampling_params(tr.output_len, oracle)
+                if not oracle and len(ids) + tr.output_len > self.max_model_len:
+                    sp = _sampling_params(max(1, self.max_model_len - len(ids)), False)
+                rep.pending.append(Request(tr.request_id, ids, sp,
+                                           eos_token_id=None if oracle else SIM_TOKEN,
                                            priority=tr.priority if use_priority else 0,
-                                           arrival_time=tr.arrival_time))
+                                           arrival_time=tr.arrival_time, tenant=tr.tenant))
                 metrics.on_submit(tr.request_id, i, tr.arrival_time)
                 if rep.in_flight is None and not wake[rep.index]:
                     wake[rep.index] = True
@@ -194,6 +203,17 @@ class Simulator:
             return False
         rep.in_flight = (so, rep.executor.execute_model(so))
         return True
+
+
+# The token the simulated executor samples every time; the EOS of requests whose output
+# length is hidden (oracle_output_len=False), which may stop only after min_tokens.
+SIM_TOKEN = 1
+
+
+def _sampling_params(output_len: int, oracle: bool) -> SamplingParams:
+    if oracle:
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    return SamplingParams(max_tokens=None, min_tokens=output_len, temperature=0.0)
 
 
 @contextmanager

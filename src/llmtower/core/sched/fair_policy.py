@@ -11,6 +11,11 @@
   request was (re)admitted: a live counter would make two tenants preempt each other in turn
   (each one's counter overtakes the other's while it runs), so the rank of a running request
   is frozen until it is preempted and admitted again (see ``policy.py``: no livelock).
+- A waiting request may displace (preempt) a running request of *another* tenant whose rank
+  is above the waiting tenant's counter, at the ``max_num_seqs`` and KV limits: a light
+  tenant does not wait for a flooding tenant's requests to finish. It never displaces its own
+  tenant's requests (their ranks are at most its current counter), and a displaced request,
+  re-ranked higher when it returns, cannot displace the request that displaced it.
 
 The guarantee (VTC): between two backlogged tenants the difference of their counters stays
 within a bound of the order of one step's tokens plus one request's length, so their service
@@ -120,6 +125,7 @@ class FairPolicy(SchedulingPolicy):
     """Owns the tenants' virtual token counters and per-tenant statistics."""
 
     name = "fair"
+    may_displace = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -134,6 +140,15 @@ class FairPolicy(SchedulingPolicy):
 
     def rank(self, req: Request) -> float:
         return self._rank.get(req.seq, 0.0)
+
+    def displaces(self, waiting: Request, victim: Request) -> bool:
+        return (victim.tenant != waiting.tenant
+                and self.rank(victim) > self.counters.get(waiting.tenant, 0.0))
+
+    def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
+        # Counters move during the scan (and back, when a displaced request is refunded), so
+        # no order argument holds: never share blocks computed in this step.
+        return False
 
     def _stats(self, tenant: str) -> TenantStats:
         s = self.stats.get(tenant)

@@ -36,6 +36,8 @@ class SchedulingPolicy:
     """Owns the waiting-queue order and the victim rule of one scheduler (base: ``fcfs``)."""
 
     name = "fcfs"
+    # Whether requests carry priorities (anything else refuses a non-zero priority).
+    uses_priority = False
     # Whether a waiting request may preempt strictly less important running requests.
     may_displace = False
 
@@ -74,6 +76,12 @@ class SchedulingPolicy:
         """May ``waiting`` preempt ``victim`` (only when ``may_displace``)?"""
         return False
 
+    def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
+        """May ``req`` hit blocks that ``owner`` computes in this very step? Only if nobody
+        scanned after ``req`` in this step can displace ``owner`` (a displaced owner never
+        computes them)."""
+        return True
+
     # ---------------------------------------------------------------- lifecycle hooks
     def on_add(self, req: Request) -> None:
         """``req`` entered the scheduler (before its first queueing)."""
@@ -94,6 +102,7 @@ class PriorityPolicy(SchedulingPolicy):
     waiting request may preempt strictly lower-priority running ones."""
 
     name = "priority"
+    uses_priority = True
     may_displace = True
 
     def make_queue(self) -> RequestQueue:
@@ -101,6 +110,11 @@ class PriorityPolicy(SchedulingPolicy):
 
     def displaces(self, waiting: Request, victim: Request) -> bool:
         return victim.priority > waiting.priority
+
+    def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
+        # The scan goes in priority order: everyone after req is no more important than req,
+        # so an owner at least as important as req cannot be displaced later in this step.
+        return owner.priority <= req.priority
 
 
 class SJFPolicy(SchedulingPolicy):

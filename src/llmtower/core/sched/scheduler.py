@@ -119,7 +119,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use; request ids must be unique")
-        if request.priority != 0 and not self.policy.may_displace:
+        if request.priority != 0 and not self.policy.uses_priority:
             self.num_rejected += 1
             raise AdmissionError(
                 f"request {rid!r} has priority={request.priority} but the scheduler policy is "
@@ -198,7 +198,7 @@ class Scheduler:
 
         Waiting: re-keyed in the queue, so it moves at once. Running or swapped: the new value
         counts from the next victim choice and the next admission decision on."""
-        if not self.policy.may_displace:
+        if not self.policy.uses_priority:
             raise ValueError(f"cannot set a priority: the scheduler policy is "
                              f"{self.config.policy!r}; priorities need --policy priority")
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -373,13 +373,11 @@ class Scheduler:
 
     def _same_step_hits(self, req: Request, hits: list, step: _Step) -> tuple[list, int]:
         """Keep the prefix hits on blocks computed this step only if their owner cannot be
-        displaced later in this step: a displaced owner never computes them. The scan goes in
-        policy order, so later requests are no more important than ``req``; an owner at
-        least as important as ``req`` is therefore safe."""
+        displaced later in this step (the policy says): a displaced owner never computes them."""
         if self.policy.may_displace:
             for i, b in enumerate(hits):
                 owner = step.provisional.get(b.block_id)
-                if owner is not None and self.policy.displaces(req, owner):
+                if owner is not None and not self.policy.same_step_hit_ok(req, owner):
                     hits = hits[:i]
                     break
         return hits, len(hits) * self.cache_config.block_size
@@ -462,8 +460,8 @@ class Scheduler:
 
     def _preempt_lower_priority(self, req: Request, step: _Step, now: float,
                                 displaced: list[Request]) -> bool:
-        """Under ``priority``: preempt the lowest-priority running request if it is strictly
-        less important than ``req``. Returns whether one was preempted."""
+        """Under a displacing policy (``priority``, ``fair``): preempt the policy's victim if
+        ``req`` may displace it. Returns whether one was preempted."""
         if not self.policy.may_displace or not self.running:
             return False
         victim = self.policy.victim(self.running)
