@@ -113,3 +113,21 @@ def test_losing_an_engine_keeps_the_server_serving(tokenizer):
     assert str(victim) in health["lost_ranks"] and "SIGKILL" in health["lost_ranks"][str(victim)]
     assert status[0].epoch == 1 and status[0].members == [1 - victim]
     assert in_flight[1 - victim] == 0
+
+
+def test_a_coordinated_reset_runs_on_every_engine_at_the_same_sync(tokenizer):
+    """reset_prefix_cache while a wave runs: both engines hold it until the collective that
+    shows both have it, and run it there (the same sync number on both)."""
+    async def body(llm):
+        long = asyncio.ensure_future(_tokens(llm, "long", max_tokens=120))
+        await asyncio.sleep(0.3)  # the wave is on (engine 1 idle in it)
+        in_wave = [s.in_wave for s in await _status(llm)]
+        ok = await llm.client.call_utility("reset_prefix_cache", timeout_s=10)
+        during = await _status(llm)
+        await long
+        return in_wave, ok, during
+
+    in_wave, ok, during = _run(tokenizer, body, dp_sync_interval=4)
+    assert in_wave == [True, True]
+    assert isinstance(ok, bool)
+    assert during[0].last_op_at_sync == during[1].last_op_at_sync >= 1

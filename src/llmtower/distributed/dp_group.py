@@ -4,7 +4,7 @@ Every engine keeps its own scheduler; what they share is one small collective ev
 ``sync_interval`` steps. Each engine writes its row, the all-reduce (a sum) gives every engine
 every row:
 
-    row of rank r:  [ has unfinished work | waiting | running | free KV blocks | steps ]
+    row of rank r:  [ has unfinished work | waiting | running | free KV blocks | steps | op ]
 
 Waves. Engines step only while the cluster has work. An engine that leaves idleness (a request
 came) starts a *wave*: it tells the head, which tells every other engine to join (an idle
@@ -14,6 +14,11 @@ the same collective and all of them block on their input queues together, costin
 
     wave w:   engine 0  |step ... step|S|step ... step|S|   (S: the collective, async)
               engine 1  |  (idle, waits on input)     |S|    |S| -> all idle: wave w ends
+
+Coordinated operations (reset the prefix cache, defragment, ...) run on every engine at the
+same collective: the head numbers each one and sends it to all engines; each writes the
+highest number it holds in its ``op`` column, and an operation runs once the collective shows
+that every member holds it. Outside a wave there are no steps to line up with: it runs at once.
 
 The collective is posted asynchronously and collected one sync later, so a busy engine never
 waits for it unless a peer is a whole interval behind. Every wait has a timeout: a peer that
@@ -32,8 +37,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Columns of the sync tensor.
-HAS_WORK, WAITING, RUNNING, FREE_BLOCKS, STEPS = range(5)
-NUM_COLUMNS = 5
+HAS_WORK, WAITING, RUNNING, FREE_BLOCKS, STEPS, OP = range(6)
+NUM_COLUMNS = 6
 
 
 @dataclass
@@ -85,6 +90,7 @@ class DPStatus:
     in_wave: bool
     num_syncs: int
     sync_wait_seconds_total: float
+    last_op_at_sync: int  # num_syncs when the last coordinated operation ran (-1: none yet)
 
 
 @dataclass
@@ -112,6 +118,11 @@ class DPGroup:
     _store: object | None = None
     _pending: _Pending | None = None
     _steps_in_wave: int = 0
+    # Coordinated operations received and not yet run: op id -> what the engine must do.
+    _ops: dict[int, object] = field(default_factory=dict)
+    _max_op: int = 0
+    _ready_ops: list[object] = field(default_factory=list)
+    last_op_at_sync: int = -1
 
     # ------------------------------------------------------------------ membership
     @property
@@ -192,15 +203,38 @@ class DPGroup:
 
     def status(self) -> DPStatus:
         return DPStatus(self.config.rank, self.epoch, list(self.members), self.active,
-                        self.wave, self.in_wave, self.num_syncs, self.sync_wait_seconds_total)
+                        self.wave, self.in_wave, self.num_syncs, self.sync_wait_seconds_total,
+                        self.last_op_at_sync)
 
     @property
     def idle_in_wave(self) -> bool:
         """True while this engine has no work of its own but must keep taking part."""
         return self.active and self.in_wave
 
+    # ------------------------------------------------------------------ coordinated operations
+    def schedule_op(self, op_id: int, payload: object) -> bool:
+        """Hold ``payload`` until every member holds ``op_id``; True when it may run now
+        (no wave, so no step boundary to line up with, or no group at all)."""
+        if not self.active or not self.in_wave:
+            self.last_op_at_sync = self.num_syncs
+            return True
+        self._ops[op_id] = payload
+        self._max_op = max(self._max_op, op_id)
+        return False
+
+    def take_ready_ops(self) -> list[object]:
+        """Operations the last collective released (or all of them if the group broke or
+        the wave ended), in the order the head numbered them."""
+        if not self.active or not self.in_wave:
+            self._ready_ops += [self._ops.pop(k) for k in sorted(self._ops)]
+        ready, self._ready_ops = self._ready_ops, []
+        if ready:
+            self.last_op_at_sync = self.num_syncs
+        return ready
+
     # ------------------------------------------------------------------ collectives
     def _post(self, row: list[int]) -> None:
+        row = [*row[:OP], self._max_op]
         t0 = time.perf_counter()
         t = torch.zeros(len(self.members), NUM_COLUMNS, dtype=torch.int64)
         t[self.members.index(self.config.rank)] = torch.tensor(row, dtype=torch.int64)
@@ -223,6 +257,9 @@ class DPGroup:
         self.num_syncs += 1
         self.last_result = DPSyncResult(list(self.members), p.tensor.tolist(),
                                         time.perf_counter() - p.posted)
+        agreed = min(row[OP] for row in self.last_result.rows)
+        for op_id in sorted(k for k in self._ops if k <= agreed):
+            self._ready_ops.append(self._ops.pop(op_id))
         if not self.last_result.any_work:
             # Every member saw the same rows: all of them end the wave at this collective.
             self.in_wave, self._steps_in_wave = False, 0

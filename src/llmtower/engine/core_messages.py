@@ -51,6 +51,7 @@ UTILITY_METHODS = frozenset({
     "dp_start_wave",
     "dp_status",
     "dp_handshake",
+    "dp_coordinated",
 })
 
 

@@ -49,6 +49,12 @@ HEARTBEAT_S = 1.0
 # An engine that has no work but takes part in a data-parallel wave polls its input this often.
 DP_IDLE_POLL_S = 0.002
 _STOP = object()  # tells the output thread to flush and exit
+_DEFERRED = object()  # a utility answered later (a coordinated operation waiting for its step)
+
+
+class _RUN_NOW:  # noqa: N801 - a marker: run this utility call now
+    def __init__(self, call: UtilityCall) -> None:
+        self.call = call
 
 
 def default_engine_factory(engine_args: EngineArgs) -> EngineCore:
@@ -182,6 +188,8 @@ class EngineCoreProc:
         assert self.dp is not None
         for event in self.dp.tick(self._dp_row(), stepped):
             self.output_queue.put((OutputTag.DP_EVENT, event))
+        for call in self.dp.take_ready_ops():
+            self._run_utility(call)  # type: ignore[arg-type]
 
     def _dp_idle_poll(self) -> None:
         """No work here, but the wave goes on elsewhere: take part in its collectives while
@@ -193,7 +201,8 @@ class EngineCoreProc:
         if not self._shutdown:
             self._dp_tick(stepped=False)
 
-    def _dp_utility(self, method: str, args: list) -> Any:
+    def _dp_utility(self, call: UtilityCall) -> Any:
+        method, args = call.method, call.args
         dp = self.dp
         if dp is None:
             raise ValueError("this engine is not part of a data-parallel group")
@@ -202,6 +211,15 @@ class EngineCoreProc:
             dp.set_membership(int(epoch), [int(r) for r in members])
             # Work that arrived while it was alone: start the group's first wave with it.
             self._dp_tick(stepped=False)
+        elif method == "dp_coordinated":
+            # args: op id, then the utility to run at the step boundary all engines share
+            op_id, inner, inner_args = int(args[0]), str(args[1]), list(args[2])
+            if inner not in UTILITY_METHODS or inner.startswith("dp_"):
+                raise ValueError(f"{inner!r} cannot run as a coordinated operation")
+            inner_call = UtilityCall(call.call_id, inner, inner_args)
+            if dp.schedule_op(op_id, inner_call):
+                return _RUN_NOW(inner_call)
+            return _DEFERRED
         elif method == "dp_start_wave":
             dp.start_wave(int(args[0]))
         elif method == "dp_handshake":
@@ -254,25 +272,36 @@ class EngineCoreProc:
         self.output_queue.put((OutputTag.REQUEST_ERROR, RequestError(request_id, kind, message)))
 
     def _call_utility(self, call: UtilityCall) -> None:
+        if call.method.startswith("dp_") and call.method in UTILITY_METHODS:
+            try:
+                result = self._dp_utility(call)
+            except Exception as e:
+                return self._answer(call, None, f"{type(e).__name__}: {e}")
+            if result is _DEFERRED:  # answered when the operation runs
+                return
+            if isinstance(result, _RUN_NOW):
+                return self._run_utility(result.call)
+            return self._answer(call, result, None)
+        self._run_utility(call)
+
+    def _run_utility(self, call: UtilityCall) -> None:
         try:
             if call.method not in UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {call.method!r}; "
                                  f"known: {sorted(UTILITY_METHODS)}")
-            if call.method.startswith("dp_"):
-                result: Any = self._dp_utility(call.method, call.args)
-            elif call.method == "ping":
-                result = PingResult(self._num_steps(),
-                                         _num_unfinished(self.engine_core))
+            if call.method == "ping":
+                result: Any = PingResult(self._num_steps(), _num_unfinished(self.engine_core))
             elif call.method == "get_stats":
                 result = self.engine_core.get_stats()
             else:
                 result = getattr(self.engine_core, call.method)(*call.args)
         except Exception as e:
-            self.output_queue.put((OutputTag.UTILITY_RESULT,
-                                   (call.call_id, None, f"{type(e).__name__}: {e}")))
-            return
+            return self._answer(call, None, f"{type(e).__name__}: {e}")
+        self._answer(call, result, None)
+
+    def _answer(self, call: UtilityCall, result: Any, error: str | None) -> None:
         # Encoded by the output thread, like everything else that leaves the loop.
-        self.output_queue.put((OutputTag.UTILITY_RESULT, (call.call_id, result, None)))
+        self.output_queue.put((OutputTag.UTILITY_RESULT, (call.call_id, result, error)))
 
     # ------------------------------------------------------------------ stats
     def _record_step(self, seconds: float) -> None:

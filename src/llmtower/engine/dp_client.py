@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 # RequestError kind of a request whose engine was lost: HTTP 503, safe to retry.
 ENGINE_LOST = "engine_lost"
+# Utilities that change what every engine holds: run on all of them at one step boundary.
+COORDINATED = frozenset({"reset_prefix_cache", "defragment"})
 
 
 def engine_threads(args: EngineArgs) -> int:
@@ -107,6 +109,7 @@ class DPEngineCoreClient:
         self.epoch = -1
         self.lost: dict[int, str] = {}  # rank -> why it is gone
         self.num_wave_starts = 0
+        self._next_op = 0  # the last coordinated operation's number
         self._closing = False
 
     def _make_client(self, rank: int) -> EngineCoreClient:
@@ -278,7 +281,11 @@ class DPEngineCoreClient:
     async def call_utility(self, method: str, *args: Any, result_type: Any = Any,
                            timeout_s: float | None = None) -> Any:
         """Run the utility on every live engine; merge what they return (pings and stats
-        add up)."""
+        add up). The ``COORDINATED`` ones run on all engines at the same step boundary."""
+        if method in COORDINATED:
+            self._next_op += 1
+            args = (self._next_op, method, list(args))
+            method = "dp_coordinated"
         results = await self.call_utility_each(method, *args, result_type=result_type,
                                                timeout_s=timeout_s)
         if result_type is PingResult:
@@ -286,6 +293,8 @@ class DPEngineCoreClient:
                               sum(r.num_unfinished_requests for r in results))
         if result_type is SchedulerStats:
             return merge_stats(results, results[0])
+        if all(isinstance(r, bool) for r in results):  # e.g. reset_prefix_cache: done by all?
+            return all(results)
         return results[0]
 
     async def call_utility_each(self, method: str, *args: Any, result_type: Any = Any,
