@@ -20,6 +20,9 @@ import torch
 from llmtower.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from llmtower.executor.input_batch import InputBatch
 from llmtower.executor.kv_cache import KVCache
+from llmtower.executor.memory_bounds import HeapTrimmer, bound_native_caches
+from llmtower.executor.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs,
+                                               plan_prompt_logprobs)
 from llmtower.executor.sampler import Sampler
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
                                        decode_batch, decode_groups)
@@ -44,6 +47,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
     sample_mask: np.ndarray  # [num requests] which scheduled requests are sampled
     sample_rows: np.ndarray  # [S] their InputBatch rows
+    prompt_plan: PromptLogprobsPlan | None = None  # extra logits rows for prompt logprobs
 
 
 class ModelRunner:
@@ -66,6 +70,9 @@ class ModelRunner:
                                    cfg.head_dim, bs, model.dtype, buffer_blocks,
                                    attention_backend)
         self.sampler = Sampler(seed)
+        # Native memory stays bounded over new per-step token counts (memory_bounds.py).
+        bound_native_caches()
+        self.heap_trimmer = HeapTrimmer()
         # Speculative decoding (--speculative-config), set by the executor; None: off.
         self.spec_decode: SpecDecodeStep | None = None
 
@@ -86,16 +93,27 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(so, req_ids, num_spec)
+        plan = inputs.prompt_plan
+        indices = inputs.logits_indices if plan is None else torch.cat(
+            [inputs.logits_indices, plan.flat_rows])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
-                            self.attn, inputs.meta, inputs.logits_indices)
+                            self.attn, inputs.meta, indices)
+        prompt_lps = None
+        if plan is not None:  # the prompt rows come after the sampled ones
+            num_sampled = len(inputs.logits_indices)
+            prompt_lps = compute_prompt_logprobs(logits[num_sampled:], plan)
+            logits = logits[:num_sampled]
         if so.grammar_bitmask is not None:  # structured outputs: what the grammars allow
             apply_grammar_bitmask(logits, so, req_ids, inputs.sample_mask)
         if spec is not None:  # verify drafts, append accepted tokens, propose the next
-            return spec.sample(so, logits, req_ids, inputs.sample_mask, inputs.sample_rows,
-                               num_spec, batch, self.block_size)
-        tokens, logprobs = self.sampler(logits, inputs.sample_rows, batch)
-        batch.append_sampled(inputs.sample_rows, tokens)
-        return self._output(req_ids, inputs.sample_mask, tokens, logprobs)
+            out = spec.sample(so, logits, req_ids, inputs, num_spec, batch, self.block_size)
+        else:
+            tokens, logprobs = self.sampler(logits, inputs.sample_rows, batch)
+            batch.append_sampled(inputs.sample_rows, tokens)
+            out = self._output(req_ids, inputs.sample_mask, tokens, logprobs)
+        out.prompt_logprobs = prompt_lps
+        self.heap_trimmer.after_step()
+        return out
 
     # ------------------------------------------------------------------ step inputs
     def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str],
@@ -144,8 +162,11 @@ class ModelRunner:
         logits_rows = last_row[sample_mask]
         if num_spec is not None:  # a request with k drafts is verified at its last k + 1 rows
             logits_rows = expand_logits_indices(logits_rows, num_spec[sample_mask])
+        flat_first = np.empty(n, dtype=np.int64)
+        flat_first[order] = first
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                          torch.from_numpy(logits_rows), sample_mask, rows[sample_mask])
+                          torch.from_numpy(logits_rows), sample_mask, rows[sample_mask],
+                          plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_first))
 
     def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
         """The single-token queries: flat rows 0..len(rows), ascending context length."""

@@ -40,7 +40,7 @@ class RejectionSampler:
 
     def __call__(self, logits: torch.Tensor, offsets: np.ndarray, drafts: list[list[int]],
                  rows: np.ndarray, batch: InputBatch,
-                 draft_probs: list[torch.Tensor] | None = None) -> list[list[int]]:
+                 draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
         """``logits`` [N, vocab]; request i's k_i + 1 rows start at ``offsets[i]``;
         ``drafts[i]`` its k_i >= 1 draft tokens; ``rows[i]`` its InputBatch row;
         ``draft_probs[i]`` [k_i, vocab] its draft distributions (None: point masses).

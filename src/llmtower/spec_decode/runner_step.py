@@ -15,6 +15,8 @@ Per step, around the runner's own forward pass:
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -64,9 +66,14 @@ class SpecDecodeStep:
         self.sampler = sampler
         self.rejection = RejectionSampler(sampler.generator)
         self.max_model_len = max_model_len
+        # A model-based proposer (draft model) follows every forward pass and drafts from the
+        # runner's rows; the others draft from token histories.
+        self.needs_batch = bool(getattr(self.proposer, "needs_batch", False))
 
     # ------------------------------------------------------------------ before the forward
     def begin(self, so: SchedulerOutput, req_ids: list[str], batch: InputBatch) -> np.ndarray:
+        if self.needs_batch:
+            self.proposer.begin(so)  # type: ignore[attr-defined]  # draft cache block moves
         for rid in so.finished_req_ids:
             self.proposer.remove(rid)
             self.adaptive.remove(rid)
@@ -89,10 +96,14 @@ class SpecDecodeStep:
 
     # ------------------------------------------------------------------ after the forward
     def sample(self, so: SchedulerOutput, logits: torch.Tensor, req_ids: list[str],
-               sample_mask: np.ndarray, rows: np.ndarray, num_spec: np.ndarray,
-               batch: InputBatch, block_size: int) -> ModelRunnerOutput:
-        """``logits``: k_i + 1 rows per sampled request (in ``req_ids`` order), ``rows``
-        their InputBatch rows, ``num_spec`` drafts per scheduled request."""
+               inputs: Any, num_spec: np.ndarray, batch: InputBatch,
+               block_size: int) -> ModelRunnerOutput:
+        """``logits``: k_i + 1 rows per sampled request (in ``req_ids`` order); ``inputs``
+        the runner's ``StepInputs``; ``num_spec`` drafts per scheduled request."""
+        if self.needs_batch:
+            self.proposer.observe_step(inputs.input_ids, inputs.positions,  # type: ignore[attr-defined]
+                                       inputs.meta)
+        sample_mask, rows = inputs.sample_mask, inputs.sample_rows
         k = num_spec[sample_mask]
         counts = k + 1
         offsets = np.cumsum(counts) - counts
@@ -109,7 +120,11 @@ class SpecDecodeStep:
         if drafted.size:
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec[req_ids[sampled_idx[j]]] for j in drafted.tolist()]
-            accepted = self.rejection(logits, offsets[drafted], drafts, rows[drafted], batch)
+            q = None
+            if self.needs_batch:  # drafts drawn from the draft model's own distribution
+                q = [self.proposer.draft_probs(req_ids[sampled_idx[j]], len(d))  # type: ignore[attr-defined]
+                     for j, d in zip(drafted.tolist(), drafts)]
+            accepted = self.rejection(logits, offsets[drafted], drafts, rows[drafted], batch, q)
             for j, toks, d in zip(drafted.tolist(), accepted, drafts):
                 results[j] = toks
                 self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1)
@@ -145,6 +160,8 @@ class SpecDecodeStep:
                 continue
             rid = req_ids[i]
             kk = min(self.adaptive.num_drafts(rid), self.max_model_len - n)
+            if self.needs_batch and n + self.config.num_speculative_tokens > self.max_model_len:
+                kk = 0  # the draft loop runs every request K positions ahead
             if kk <= 0:
                 continue
             ids.append(rid)
@@ -154,7 +171,12 @@ class SpecDecodeStep:
             where.append(i)
         out: list[list[int]] = [[] for _ in req_ids]
         if ids:
-            for i, d in zip(where, self.proposer.propose(ids, hists, ks, prompts)):
+            if self.needs_batch:
+                rows_l = [int(batch.req_id_to_row[r]) for r in ids]
+                drafts = self.proposer.propose_from_batch(ids, rows_l, ks, batch)  # type: ignore[attr-defined]
+            else:
+                drafts = self.proposer.propose(ids, hists, ks, prompts)
+            for i, d in zip(where, drafts):
                 out[i] = d
         return out
 
