@@ -28,6 +28,7 @@ from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_messages import (EngineDead, EngineReady, InputTag, OutputTag,
                                            RequestError, UtilityCall, UtilityResult)
 from llmtower.engine.core_proc import EngineCoreProc, EngineFactory, default_engine_factory
+from llmtower.executor.memory_bounds import bound_native_caches
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class EngineCoreClient:
         input_address = f"ipc://{self._ipc_dir}/input.sock"
         output_address = f"ipc://{self._ipc_dir}/output.sock"
         self._open_sockets(input_address, output_address)
+        # Before the engine process exists, so that it inherits the caps (memory_bounds.py).
+        bound_native_caches()
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore",

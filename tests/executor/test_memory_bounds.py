@@ -1,0 +1,65 @@
+"""Issue 11, item 8: the engine caps oneDNN's and ideep's per-shape caches and returns freed
+heap pages to the OS, so new per-step token counts do not grow it without bound."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from llmtower.executor.memory_bounds import (CAPACITY_ENV, DEFAULT_CAPACITY, HeapTrimmer,
+                                             bound_native_caches)
+
+
+def test_caps_both_caches_unless_the_operator_set_them():
+    env: dict[str, str] = {}
+    assert bound_native_caches(env) == DEFAULT_CAPACITY
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == env["LRU_CACHE_CAPACITY"] == str(
+        DEFAULT_CAPACITY)
+    env = {CAPACITY_ENV: "32", "LRU_CACHE_CAPACITY": "7"}
+    assert bound_native_caches(env) == 32
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32" and env["LRU_CACHE_CAPACITY"] == "7"
+
+
+def test_the_trimmer_runs_at_most_once_per_interval():
+    trimmer = HeapTrimmer(interval_s=0.0)
+    trimmer.after_step()
+    trimmer.after_step()
+    assert trimmer.num_trims == 2 or trimmer._trim is None  # not glibc: nothing to trim
+    slow = HeapTrimmer(interval_s=3600)
+    slow.after_step()
+    assert slow.num_trims == 0
+    assert HeapTrimmer(interval_s=0)._trim is None  # 0 from the operator: off
+
+
+PROBE = """
+import psutil, torch
+from llmtower.executor.memory_bounds import HeapTrimmer, bound_native_caches
+if BOUND:
+    import os
+    os.environ["LLMTOWER_ONEDNN_CACHE_CAPACITY"] = "64"
+    bound_native_caches()
+trimmer = HeapTrimmer(interval_s=0.0 if BOUND else 0)
+torch.set_num_threads(1)
+lin = torch.nn.Linear(256, 768).to(torch.bfloat16)
+p = psutil.Process()
+with torch.inference_mode():
+    for m in range(1, 401):  # a new token count each step, as the engine sees them
+        lin(torch.randn(m, 256, dtype=torch.bfloat16))
+        trimmer.after_step()
+        if m == 250:  # a cache of 64 is full (and the heap at its size) by ~200 shapes
+            mid = p.memory_info().rss
+print((p.memory_info().rss - mid) / 2**20)
+"""
+
+
+def _growth(bound: bool) -> float:
+    out = subprocess.run([sys.executable, "-c", f"BOUND = {bound}\n" + PROBE],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def test_new_token_counts_do_not_grow_the_process_once_bounded():
+    bounded = _growth(True)
+    unbounded = _growth(False)
+    # Unbounded, each new shape keeps ~0.5 MiB; bounded, the last 150 shapes cost nothing.
+    assert bounded < 10, (bounded, unbounded)
+    assert unbounded > bounded
