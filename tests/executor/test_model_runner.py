@@ -174,4 +174,4 @@ def test_factory_resolves_max_model_len(tiny_llama_dir, model):
     assert core.model_info.max_model_len == 64 and core.model_info.vocab_size == cfg.vocab_size
     assert core.scheduler.config.max_model_len == 64
     assert core.scheduler.cache_config.num_blocks == (2**20) // bytes_per_block(cfg, 16, torch.float32)
-    assert core.model_path == tiny_llama_dir.resolve()
+    assert core.model_info.model_path == tiny_llama_dir.resolve()

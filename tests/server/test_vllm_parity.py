@@ -193,3 +193,31 @@ def test_request_chat_template_needs_the_operators_consent(vllm_style_server):
                "chat_template": "{{ 'x' }}", "max_tokens": 2},
               headers={"Authorization": "Bearer k1"})
     assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(client, tiny_server, tokenizer):
+    ids = tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2, "ignore_eos": True}
+    r = _post(tiny_server, "/v1/completions", body).json()
+    pl = r["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for token, entry in zip(ids[1:], pl[1:]):
+        assert str(token) in entry and len(entry) <= 3  # the token and its top 2
+        assert entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    # echo + logprobs: the prompt's tokens lead the logprobs block, the first without one.
+    e = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    lp = e.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1] == pytest.approx(pl[1][str(ids[1])]["logprob"], abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Chat: the rendered prompt's logprobs, on the response.
+    c = _post(tiny_server, "/v1/chat/completions",
+              {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+               "prompt_logprobs": 0}).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    # Not when streaming (as vLLM): a 400 that says so.
+    r = _post(tiny_server, "/v1/completions", {**body, "stream": True})
+    assert r.status_code == 400 and "streaming" in r.json()["error"]["message"]

@@ -112,6 +112,8 @@ class ModelRunnerOutput:
     # Speculative decoding: accepted drafts + one token in ``sampled_token_ids``; here the
     # next drafts proposed per request (None: speculation is off).
     spec_token_ids: list[list[int]] | None = None
+    # Prompt logprobs scored this step, per request that asked (None: nobody did).
+    prompt_logprobs: dict[str, list[LogprobsEntry]] | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -164,6 +166,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # preemption count so far with every output.
     queue_time: float = 0.0
     num_preemptions: int = 0
+    # With the first token: the prompt's logprobs (entries of tokens 1..; prompt_logprobs).
+    new_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:

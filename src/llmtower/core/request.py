@@ -82,7 +82,7 @@ class Request:
         "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key",
         "seq", "queue_entry", "queued_tokens", "tenant",
         "spec_token_ids", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-        "structured_output",
+        "structured_output", "prompt_logprobs",
     )
 
     def __init__(
@@ -133,6 +133,8 @@ class Request:
         self.spec_num_accepted_tokens = 0
         # The grammar state (structured_output.manager.GrammarState) of a constrained request.
         self.structured_output = None
+        # Prompt logprobs scored so far, sent to the client with the first token.
+        self.prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:

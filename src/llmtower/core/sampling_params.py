@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Keep only the last this-many prompt tokens (vLLM's left truncation); None: all.
     truncate_prompt_tokens: int | None = None
+    # Logprobs of the prompt's tokens (with this many top alternatives); None: none. Such a
+    # prompt is computed in full (no prefix-cache hit), as its logits are needed.
+    prompt_logprobs: int | None = None
     # Grammar-constrained decoding (JSON schema, regex, choice, EBNF); a dict is read as
     # StructuredOutputsParams(**dict).
     structured_outputs: StructuredOutputsParams | None = None
@@ -88,6 +91,9 @@ class SamplingParams:
             _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
                    "logit_bias", self.logit_bias,
                    "a map of token id (>= 0) to a bias in [-100, 100]")
+        _check(self.prompt_logprobs is None or (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20] or None")
         _check(self.truncate_prompt_tokens is None or (
             isinstance(self.truncate_prompt_tokens, int) and self.truncate_prompt_tokens >= 1),
             "truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer >= 1 or None")

@@ -40,6 +40,7 @@ class ParentRequest:
         self.output_kind = output_kind
         self.children = children
         self.num_unfinished = len(children)
+        self._prompt_logprobs_sent = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -51,10 +52,16 @@ class ParentRequest:
         completions = [c for c in (child.make_output() for child in self.children) if c]
         if not completions:
             return None
+        prompt_logprobs = next((c.prompt_logprobs for c in self.children
+                                if c.prompt_logprobs is not None), None)
+        if self.output_kind is RequestOutputKind.DELTA:
+            if self._prompt_logprobs_sent:
+                prompt_logprobs = None
+            self._prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
             merge_metrics([c.metrics for c in self.children]) if self.finished else None,
-            max(c.num_cached_tokens for c in self.children))
+            max(c.num_cached_tokens for c in self.children), prompt_logprobs)
 
 
 class OutputProcessor:
@@ -171,4 +178,6 @@ def merge_metrics(all_metrics: list[RequestMetrics | None]) -> RequestMetrics | 
         num_preemptions=sum(m.num_preemptions for m in ms),
         num_cached_tokens=max(m.num_cached_tokens for m in ms),
         num_prompt_tokens=ms[0].num_prompt_tokens,
-        num_generation_tokens=sum(m.num_generation_tokens for m in ms))
+        num_generation_tokens=sum(m.num_generation_tokens for m in ms),
+        spec_num_draft_tokens=sum(m.spec_num_draft_tokens for m in ms),
+        spec_num_accepted_tokens=sum(m.spec_num_accepted_tokens for m in ms))

@@ -33,6 +33,8 @@ class Logprob:
 
 # One dict per generated token: the sampled token and its top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token (None for the first, which nothing predicts), as SampleLogprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -72,3 +74,5 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: in the first output of the request (DELTA) or in each.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -10,8 +10,8 @@ import msgspec
 from llmtower.core.outputs import EngineCoreOutput, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.detokenizer import DecodeFn, IncrementalDetokenizer
-from llmtower.engine.request_output import (CompletionOutput, Logprob, RequestOutputKind,
-                                            SampleLogprobs)
+from llmtower.engine.request_output import (CompletionOutput, Logprob, PromptLogprobs,
+                                            RequestOutputKind, SampleLogprobs)
 from llmtower.engine.stop_checker import StopChecker
 
 
@@ -39,6 +39,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics: RequestMetrics | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None  # with the first token, if asked
         self.num_cached_tokens = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -92,6 +93,9 @@ class RequestState:
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs and self.logprobs is not None:
             self._add_logprobs(out.new_logprobs)
+        if out.new_prompt_logprobs is not None:
+            self.prompt_logprobs = [None] + [self._logprob_dict(*e)
+                                             for e in out.new_prompt_logprobs]
         new_text = self.detokenizer.update(out.new_token_ids)
         if out.finished:
             new_text += self.detokenizer.flush()
@@ -154,12 +158,18 @@ class RequestState:
         self.sent_finish = self.finished
         return out
 
+    def _logprob_dict(self, token_id: int, logprob: float, rank: int,
+                      top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        """A token's logprob, then its top alternatives (rank order), with their texts."""
+        d = {token_id: Logprob(logprob, rank, self._decode([token_id], False))}
+        for r, (alt_id, alt_logprob) in enumerate(top, start=1):
+            if alt_id not in d:
+                d[alt_id] = Logprob(alt_logprob, r, self._decode([alt_id], False))
+        return d
+
     def _add_logprobs(self, entries: list[tuple[int, float, int, list[tuple[int, float]]]]) -> None:
         assert self.logprobs is not None and self.cumulative_logprob is not None
         for token_id, logprob, rank, top in entries:
-            d = {token_id: Logprob(logprob, rank, self._decode([token_id], False))}
-            for r, (alt_id, alt_logprob) in enumerate(top, start=1):
-                if alt_id not in d:
-                    d[alt_id] = Logprob(alt_logprob, r, self._decode([alt_id], False))
+            d = self._logprob_dict(token_id, logprob, rank, top)
             self.logprobs.append(d)
             self.cumulative_logprob += logprob

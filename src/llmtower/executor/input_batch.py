@@ -48,6 +48,8 @@ class InputBatch:
         self.repetition_penalty = np.ones(0, dtype=np.float32)
         self.min_tokens = np.zeros(0, dtype=np.int64)
         self.num_logprobs = np.full(0, -1, dtype=np.int64)  # -1: no logprobs
+        self.num_prompt_logprobs = np.full(0, -1, dtype=np.int64)  # -1: no prompt logprobs
+        self.prompt_logprobs_next = np.zeros(0, dtype=np.int64)  # next prompt position to score
         # Anything beyond "argmax" or "softmax with temperature, then sample".
         self.needs_processing = np.zeros(0, dtype=bool)
         self.stop_ids_for_min_tokens: dict[int, list[int]] = {}
@@ -147,6 +149,8 @@ class InputBatch:
         self.repetition_penalty[row] = sp.repetition_penalty
         self.min_tokens[row] = sp.min_tokens
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        self.prompt_logprobs_next[row] = 0
         if sp.min_tokens > 0:
             stop = list(sp.stop_token_ids)
             if not sp.ignore_eos:
@@ -192,6 +196,8 @@ class InputBatch:
         self.repetition_penalty = grow(self.repetition_penalty, 1.0)
         self.min_tokens = grow(self.min_tokens)
         self.num_logprobs = grow(self.num_logprobs, -1)
+        self.num_prompt_logprobs = grow(self.num_prompt_logprobs, -1)
+        self.prompt_logprobs_next = grow(self.prompt_logprobs_next)
         self.needs_processing = grow(self.needs_processing, False)
         self.row_to_req_id.extend([None] * (capacity - old))
         # New rows go under the free ones (pop() takes from the end), lowest row last.

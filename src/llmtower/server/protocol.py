@@ -107,6 +107,7 @@ class SamplingRequestFields(OpenAIModel):
     include_metrics: bool = False
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     # Structured outputs (vLLM's names; see docs/structured_outputs.md): one of these.
     response_format: ResponseFormat | None = None
@@ -143,6 +144,7 @@ class SamplingRequestFields(OpenAIModel):
             max_tokens=pick(max_tokens, "max_tokens", None),
             logit_bias=logit_bias or None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self._prompt_logprobs(),
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -154,6 +156,12 @@ class SamplingRequestFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs_of(self))
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs=... is not available when streaming: send "
+                             "stream=false, or leave prompt_logprobs out")
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -296,12 +304,25 @@ def _keep_null_keys(data: dict[str, Any], *keys: str) -> dict[str, Any]:
     return data
 
 
+class PromptLogprob(OpenAIModel):
+    """One token's entry in ``prompt_logprobs`` (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token, {token id: entry} for it and its top alternatives; None for the first.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
     @model_serializer(mode="wrap")
     def _nulls(self, handler: Any) -> dict[str, Any]:
@@ -364,6 +385,7 @@ class ChatCompletionResponse(OpenAIModel):
     system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class DeltaMessage(OpenAIModel):

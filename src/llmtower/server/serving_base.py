@@ -13,9 +13,11 @@ from fastapi import Request
 
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.async_llm import AsyncLLM
+from llmtower.engine.request_output import PromptLogprobs
 from llmtower.server.errors import APIError, error_body, to_api_error
 from llmtower.server.limits import RequestLimits
-from llmtower.server.protocol import PromptTokensDetails, RequestMetricsInfo, UsageInfo
+from llmtower.server.protocol import (PromptLogprob, PromptLogprobsList, PromptTokensDetails,
+                                      RequestMetricsInfo, UsageInfo)
 
 T = TypeVar("T")
 _DONE = object()
@@ -64,6 +66,24 @@ def token_text(token_id: int, decoded: str | None, as_id: bool) -> str:
     """A token as logprobs name it: its text, or ``token_id:N`` (return_tokens_as_token_ids,
     for tokens whose text is not valid UTF-8 on its own)."""
     return f"token_id:{token_id}" if as_id else (decoded or "")
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None, top_k: int
+                         ) -> PromptLogprobsList | None:
+    """``prompt_logprobs`` as vLLM sends them: per prompt token (None for the first) a map of
+    token id to its logprob, rank and text, for the token and its ``top_k`` alternatives."""
+    if entries is None:
+        return None
+    out: PromptLogprobsList = []
+    for d in entries:
+        if d is None:
+            out.append(None)
+            continue
+        items = list(d.items())
+        keep = items[:1] + [kv for kv in items[1:] if (kv[1].rank or 0) <= top_k]
+        out.append({str(t): PromptLogprob(logprob=v.logprob, rank=v.rank,
+                                          decoded_token=v.decoded_token) for t, v in keep})
+    return out
 
 
 def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:

@@ -21,7 +21,8 @@ from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan
                                                       tool_finish_reason)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, new_request_id, sse,
-                                          sse_error, token_text, until_disconnect)
+                                          prompt_logprobs_json, sse_error, token_text,
+                                          until_disconnect)
 
 ROLE = "assistant"
 
@@ -112,9 +113,11 @@ class OpenAIServingChat(ServingBase):
         logprobs: list[SampleLogprobs] = [[] for _ in range(n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         final: RequestOutput | None = None
+        prompt_lps = None
         item = first
         while item is not None:
             _, ro = item
+            prompt_lps = ro.prompt_logprobs or prompt_lps
             for c in ro.outputs:
                 texts[c.index] += c.text
                 num_tokens[c.index] += len(c.token_ids)
@@ -137,6 +140,8 @@ class OpenAIServingChat(ServingBase):
                 stop_reason=finish[i][1]) for i in range(n)],
             usage=make_usage(num_prompt, sum(num_tokens),
                              final.num_cached_tokens if final else 0),
+            prompt_logprobs=(prompt_logprobs_json(prompt_lps, req.prompt_logprobs)
+                             if req.prompt_logprobs is not None else None),
             metrics=metrics_info(final.metrics if final else None) if req.include_metrics
             else None)
 

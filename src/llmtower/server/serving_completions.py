@@ -1,6 +1,7 @@
 """POST /v1/completions: one or several prompts (text or token ids), streamed or not."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 
@@ -9,13 +10,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.output_processor import merge_metrics
-from llmtower.engine.request_output import RequestOutput, SampleLogprobs
+from llmtower.engine.request_output import PromptLogprobs, RequestOutput, SampleLogprobs
+from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                       CompletionRequest, CompletionResponse)
-from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
-                                          merge_streams, metrics_info, new_request_id, sse,
-                                          sse_error, token_text, until_disconnect)
+                                          merge_streams, metrics_info, new_request_id,
+                                          prompt_logprobs_json, sse, sse_error, token_text,
+                                          until_disconnect)
 
 Prompt = tuple[str | None, list[int]]
 
@@ -61,8 +63,12 @@ class OpenAIServingCompletion(ServingBase):
         self.limits.check_n(req.n, req.best_of)
         params = req.to_sampling_params(self.llm.default_sampling)
         if req.echo and req.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server "
-                             "does not compute: drop echo or logprobs")
+            if req.stream:
+                raise ValueError("echo=true with logprobs is not available when streaming: "
+                                 "send stream=false, or drop echo or logprobs")
+            # The echoed prompt's tokens get logprobs too: the engine scores the prompt.
+            params = dataclasses.replace(
+                params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
         prompts = []
         for text, ids in await self._prompts(req.prompt):
             kept = self.llm.check_prompt(ids, params)  # truncate_prompt_tokens applies here
@@ -93,6 +99,28 @@ class OpenAIServingCompletion(ServingBase):
         except ClientDisconnected:
             return Response(status_code=499)
 
+    def _choice_logprobs(self, req: CompletionRequest, ch: _Choice, prompt: Prompt,
+                         prompt_lps: PromptLogprobs | None) -> CompletionLogprobs | None:
+        """The choice's logprobs block; with echo, the prompt's tokens first (the first one
+        has no logprob: nothing predicts it)."""
+        if ch.logprobs is None:
+            return None
+        as_ids = req.return_tokens_as_token_ids
+        if not (req.echo and prompt_lps):
+            return completion_logprobs(ch.logprobs, as_ids=as_ids)
+        first_id = prompt[1][0]
+        first = token_text(first_id, self.llm.decode([first_id], skip_special_tokens=False),
+                           as_ids)
+        head = completion_logprobs([d for d in prompt_lps[1:] if d is not None], len(first),
+                                   as_ids)
+        offset = len(first) + sum(len(t) for t in head.tokens)
+        tail = completion_logprobs(ch.logprobs, offset, as_ids)
+        return CompletionLogprobs(
+            text_offset=[0] + head.text_offset + tail.text_offset,
+            token_logprobs=[None] + head.token_logprobs + tail.token_logprobs,
+            tokens=[first] + head.tokens + tail.tokens,
+            top_logprobs=[None] + head.top_logprobs + tail.top_logprobs)
+
     def _echo_text(self, prompt: Prompt) -> str:
         text, ids = prompt
         return text if text is not None else self.llm.decode(ids, skip_special_tokens=False)
@@ -119,9 +147,12 @@ class OpenAIServingCompletion(ServingBase):
             for k, ch in enumerate(choices):
                 ch.text = self._echo_text(prompts[k // n])
         finals: list[RequestOutput] = []
+        prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         item = first
         while item is not None:
             i, ro = item
+            if ro.prompt_logprobs is not None:
+                prompt_lps[i] = ro.prompt_logprobs
             for c in ro.outputs:
                 ch = choices[i * n + c.index]
                 ch.text += c.text
@@ -139,8 +170,9 @@ class OpenAIServingCompletion(ServingBase):
             id=request_id, model=self.model_name,
             choices=[CompletionChoice(
                 index=k, text=ch.text, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                logprobs=(completion_logprobs(ch.logprobs, as_ids=req.return_tokens_as_token_ids)
-                          if ch.logprobs is not None else None))
+                logprobs=self._choice_logprobs(req, ch, prompts[k // n], prompt_lps[k // n]),
+                prompt_logprobs=(prompt_logprobs_json(prompt_lps[k // n], req.prompt_logprobs)
+                                 if req.prompt_logprobs is not None else None))
                 for k, ch in enumerate(choices)],
             usage=make_usage(sum(len(ids) for _, ids in prompts),
                              sum(ch.num_tokens for ch in choices),

@@ -32,6 +32,7 @@ from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCo
                                    ModelRunnerOutput, NewRequestData, RequestMetrics,
                                    SchedulerOutput, SchedulerStats)
 from llmtower.core.request import Request, RequestStatus
+from llmtower.core.sched.degradation import DegradationConfig, DegradationController
 from llmtower.core.sched.policy import make_policy
 from llmtower.structured_output.manager import StructuredOutputManager
 from llmtower.spec_decode.scheduling import SpecDecodingStats, apply_verification, next_drafts
@@ -48,10 +49,12 @@ class _Step:
 
     __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
                  "swap_out", "swap_in", "num_prefill_tokens", "moves", "spec", "cached_from",
-                 "provisional")
+                 "provisional", "initial_budget", "max_seqs")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_seqs: int = 1 << 30) -> None:
         self.budget = budget
+        self.initial_budget = budget  # the step's token budget (degradation may cut it)
+        self.max_seqs = max_seqs  # the step's max_num_seqs (degradation may cut it)
         self.scheduled: dict[str, int] = {}  # insertion order = batch order
         self.new_blocks: dict[str, list[int]] = {}
         self.resumed: set[str] = set()
@@ -81,6 +84,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.clock = clock
         self.kv = KVCacheManager(cache_config)
+        self.degradation = DegradationController(
+            DegradationConfig(enabled=scheduler_config.enable_degradation), clock=clock)
         # Block moves: every step under --kv-allocator relocator, and on demand (defragment()).
         self.relocator = BlockRelocator(self.kv.pool, cache_config.fragmentation_threshold,
                                         cache_config.max_block_moves_per_step)
@@ -145,6 +150,11 @@ class Scheduler:
                 f"request {rid!r} has {request.num_tokens} prompt tokens, more than the waiting "
                 f"queue may ever hold (max_num_queued_tokens={cfg.max_num_queued_tokens}); "
                 "shorten the prompt")
+        try:  # under heavy KV pressure (degradation level 4) new work is shed early
+            self.degradation.check_admission(rid)
+        except QueueFullError:
+            self.num_rejected += 1
+            raise
         if cfg.max_num_queued_reqs and len(self.waiting) >= cfg.max_num_queued_reqs:
             self.num_rejected += 1
             raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
@@ -219,7 +229,9 @@ class Scheduler:
     # ================================================================ one step
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        step = _Step(cfg.max_num_batched_tokens)
+        deg = self.degradation
+        step = _Step(deg.token_budget(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill),
+                     deg.max_num_seqs(cfg.max_num_seqs))
         now = self.clock()
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
@@ -272,7 +284,7 @@ class Scheduler:
 
         # --- 2. swapped requests come back first, if memory is not under pressure ---------
         if not step.preempted:
-            while self.swapped and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.swapped and step.budget > 0 and len(self.running) < step.max_seqs:
                 req = self.swapped[0]
                 n = self._num_new_tokens(req, req.num_computed_tokens, step)
                 if n == 0 or not self.kv.can_swap_in(req, n):
@@ -297,6 +309,7 @@ class Scheduler:
             step.moves = self.relocator.plan_step(
                 self.kv.block_tables(), written_blocks(self.kv.req_to_blocks, self.requests,
                                                        step.scheduled, self.cache_config.block_size))
+        deg.on_step(len(step.preempted), self.kv.pool.num_evictions)  # graceful degradation
         return self._build_output(step)
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
@@ -305,12 +318,14 @@ class Scheduler:
         displaced: list[Request] = []  # preempted by priority here; requeued after the scan
         while self.waiting and step.budget > 0 and len(skipped) < MAX_SKIPS_PER_STEP:
             req = self.waiting.peek()
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) >= step.max_seqs:
                 if not self._preempt_lower_priority(req, step, now, displaced):
                     break
             hits, num_hit = self.kv.get_computed_blocks(req)
             if step.provisional and hits:
                 hits, num_hit = self._same_step_hits(req, hits, step)
+            if hits and req.sampling_params.prompt_logprobs is not None:
+                hits, num_hit = [], 0  # prompt logprobs need every prompt token's logits
             n = self._num_new_tokens(req, num_hit, step)
             new_blocks = None if n == 0 else self.kv.allocate_slots(req, n, hits, num_hit)
             while new_blocks is None and n and self._preempt_lower_priority(req, step, now, displaced):
@@ -498,7 +513,7 @@ class Scheduler:
             if req.structured_output is not None and req.num_computed_tokens >= len(
                     req.all_token_ids):
                 constrained.append(req)  # samples this step: needs its grammar's mask
-        total = self.config.max_num_batched_tokens - step.budget
+        total = step.initial_budget - step.budget
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -532,18 +547,20 @@ class Scheduler:
         stopped: list[Request] = []
         reqs = self.requests
         logprobs = model_runner_output.logprobs
+        prompt_lps = model_runner_output.prompt_logprobs
         caching = self.kv.enable_prefix_caching
         num_cached_blocks = self.kv.num_cached_blocks
         bs = self.cache_config.block_size
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.spec_token_ids
         sched_reqs = scheduler_output.scheduled_requests
+        finished = RequestStatus.FINISHED_STOPPED
         for i, rid in enumerate(model_runner_output.req_ids):
             # The request object this step scheduled: an id it did not schedule is ignored,
             # and so is a request that finished or was aborted since (its id may already
             # belong to a new request).
             req = sched_reqs.get(rid)
-            if req is None or req.status >= RequestStatus.FINISHED_STOPPED:
+            if req is None or req.status >= finished:
                 continue
             running = req.status == RequestStatus.RUNNING
             if spec_sched and rid in spec_sched:  # before caching: rejected drafts' KV is not
@@ -552,6 +569,8 @@ class Scheduler:
             if (running and caching
                     and req.num_computed_tokens // bs > num_cached_blocks.get(rid, 0)):
                 self.kv.cache_blocks(req, req.num_computed_tokens)  # a block just filled
+            if prompt_lps is not None and rid in prompt_lps:
+                req.prompt_logprobs = (req.prompt_logprobs or []) + prompt_lps[rid]
             sampled = model_runner_output.sampled_token_ids[i]
             if not sampled:
                 continue  # a prefill chunk that has not reached the end of the prompt
@@ -577,6 +596,10 @@ class Scheduler:
             if logprobs is not None and logprobs[i]:
                 out.new_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
                                     for e in logprobs[i][:len(new_tokens)]]
+            if req.prompt_logprobs is not None:
+                out.new_prompt_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
+                                           for e in req.prompt_logprobs]
+                req.prompt_logprobs = None
             if status is not None:
                 if running:
                     stopped.append(req)
@@ -704,7 +727,7 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         kv = self.kv
         step = self._last
-        total = self.config.max_num_batched_tokens - step.budget
+        total = step.initial_budget - step.budget
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
