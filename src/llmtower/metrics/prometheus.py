@@ -100,8 +100,27 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     _c("prefix_cache_evictions", "llmtower:prefix_cache_evictions",
        "Cached blocks evicted (reused for other content)."),
     _c("num_preemptions", "vllm:num_preemptions", "Requests preempted (recompute or swap)."),
+    # --- memory under pressure (docs/memory.md) -------------------------------------------
+    _g("degradation_level", "llmtower:degradation_level",
+       "Graceful degradation: 0 normal, 1 evict, 2 compress, 3 shrink the batch, 4 refuse."),
+    _c("degradation_actions", "llmtower:degradation_actions",
+       "Degradation actions taken, by action (evict: prefix blocks evicted under pressure; "
+       "shrink / grow: 10% steps of the batch limits; refuse: requests shed with 429).",
+       ("action",)),
+    _c("block_moves", "llmtower:kv_block_moves", "KV blocks moved by the relocator."),
+    _g("pinned_blocks", "llmtower:kv_cache_pinned_blocks",
+       "KV blocks pinned by preloaded prefixes (kept out of eviction)."),
     _c("swap_outs", "llmtower:swap_outs", "Requests swapped out to CPU memory."),
     _c("swap_ins", "llmtower:swap_ins", "Requests swapped back in from CPU memory."),
+    # --- speculative decoding (docs/spec_decode.md) ----------------------------------------
+    _c("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+       "Verifications of one request's draft tokens (one per request per step with drafts)."),
+    _c("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+       "Draft tokens verified."),
+    _c("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+       "Draft tokens accepted."),
+    _c("spec_decode_num_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+       "Draft tokens accepted, by position in the draft (0: the first).", ("position",)),
     # --- per step -------------------------------------------------------------------------
     _h("iteration_tokens", "vllm:iteration_tokens_total", "Tokens scheduled in one engine step.",
        buckets.ITERATION_TOKENS),
@@ -202,7 +221,11 @@ _COUNTER_TOTALS = (("prefix_cache_queries", "prefix_cache_queries"),
                    ("num_evictions", "prefix_cache_evictions"),
                    ("num_preemptions_total", "num_preemptions"),
                    ("num_swap_outs_total", "swap_outs"),
-                   ("num_swap_ins_total", "swap_ins"))
+                   ("num_swap_ins_total", "swap_ins"),
+                   ("num_block_moves_total", "block_moves"),
+                   ("spec_num_drafts", "spec_decode_num_drafts"),
+                   ("spec_num_draft_tokens", "spec_decode_num_draft_tokens"),
+                   ("spec_num_accepted_tokens", "spec_decode_num_accepted_tokens"))
 
 
 class ServingMetrics:
@@ -273,12 +296,25 @@ class ServingMetrics:
         e.fragmentation("internal").set(stats.fragmentation)
         e.fragmentation("external").set(stats.external_fragmentation)
         e.prefix_cache_blocks.set(stats.num_cached_blocks)
+        e.degradation_level.set(stats.degradation_level)
+        e.pinned_blocks.set(stats.num_pinned_blocks)
+        for action, new in stats.degradation_actions.items():
+            old = e.last_totals.get(f"degradation_{action}", 0)
+            if new > old:
+                e.degradation_actions(action).inc(new - old)
+            e.last_totals[f"degradation_{action}"] = new
         for field, attr in _COUNTER_TOTALS:
             new = getattr(stats, field)
             old = e.last_totals.get(field, 0)
             if new > old:
                 getattr(e, attr).inc(new - old)
             e.last_totals[field] = new
+        for pos, new in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            old = e.last_totals.get(f"spec_pos_{pos}", 0)
+            child = e.spec_decode_num_accepted_tokens_per_pos(str(pos))  # exported from 0
+            if new > old:
+                child.inc(new - old)
+            e.last_totals[f"spec_pos_{pos}"] = new
         for n in stats.step_num_tokens:
             e.iteration_tokens.observe(n)
         for s in stats.step_seconds:

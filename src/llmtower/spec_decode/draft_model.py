@@ -79,7 +79,6 @@ class DraftModelProposer:
         """The scheduler's block moves, on the draft cache too (the executor did the target's)."""
         self.kv.swap_out(so.blocks_to_swap_out)
         self.kv.swap_in(so.blocks_to_swap_in)
-        self.kv.copy(so.blocks_to_copy)
         self.kv.move(getattr(so, "blocks_to_move", []))
 
     def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor,

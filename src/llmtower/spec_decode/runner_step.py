@@ -47,11 +47,13 @@ def expand_logits_indices(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.n
 def _can_verify(batch: InputBatch, row: int, num_tokens: int) -> bool:
     """Whether the rejection sampler reproduces this row's sampler exactly at every draft
     position. Penalties depend on every token before the position, min_tokens masks stop
-    tokens until enough outputs exist, and logprobs are reported per sampled token: such
-    requests decode without drafts (min_tokens only until it is reached)."""
+    tokens until enough outputs exist, logprobs are reported per sampled token and a logit
+    bias changes the distribution: such requests decode without drafts (min_tokens only until
+    it is reached)."""
     return (batch.presence_penalty[row] == 0.0 and batch.frequency_penalty[row] == 0.0
             and batch.repetition_penalty[row] == 1.0 and batch.num_logprobs[row] < 0
-            and num_tokens - batch.num_prompt_tokens[row] >= batch.min_tokens[row])
+            and num_tokens - batch.num_prompt_tokens[row] >= batch.min_tokens[row]
+            and row not in getattr(batch, "logit_bias", ()))
 
 
 class SpecDecodeStep:
@@ -129,7 +131,9 @@ class SpecDecodeStep:
                 results[j] = toks
                 self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1)
         self._append(results, rows, k, batch, block_size)
-        spec_out = self._propose(req_ids, sampled_idx, rows, batch)
+        # A grammar constrains one position per step (its bitmask): no drafts under it.
+        constrained = getattr(so, "structured_output_request_ids", None) or {}
+        spec_out = self._propose(req_ids, sampled_idx, rows, batch, constrained)
         return self._output(req_ids, sampled_idx, results, plain, plain_lp, spec_out)
 
     def _append(self, results: list[list[int]], rows: np.ndarray, k: np.ndarray,
@@ -151,7 +155,7 @@ class SpecDecodeStep:
                     batch.num_blocks[row] = keep
 
     def _propose(self, req_ids: list[str], sampled_idx: np.ndarray, rows: np.ndarray,
-                 batch: InputBatch) -> list[list[int]]:
+                 batch: InputBatch, constrained: Any = ()) -> list[list[int]]:
         ids, hists, ks, prompts, where = [], [], [], [], []
         for j, i in enumerate(sampled_idx.tolist()):
             row = int(rows[j])
@@ -159,6 +163,8 @@ class SpecDecodeStep:
             if batch.needs_processing[row] and not _can_verify(batch, row, n):
                 continue
             rid = req_ids[i]
+            if rid in constrained:
+                continue
             kk = min(self.adaptive.num_drafts(rid), self.max_model_len - n)
             if self.needs_batch and n + self.config.num_speculative_tokens > self.max_model_len:
                 kk = 0  # the draft loop runs every request K positions ahead
