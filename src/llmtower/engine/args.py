@@ -182,6 +182,9 @@ class EngineArgs:
     max_num_queued_reqs: int = _f(0, "waiting-queue limit in requests; beyond it: HTTP 429 (0: none)")
     max_num_queued_tokens: int = _f(0, "waiting-queue limit in prompt tokens; beyond it: HTTP 429 (0: none)")
     max_bypass: int = _f(8, "how often a waiting request that does not fit may be overtaken")
+    enable_degradation: bool = _f(False, "under KV or host-memory pressure degrade in steps "
+                                  "(count prefix evictions, shrink the batch 10%% per step, "
+                                  "refuse new work with 429) and recover when it passes")
     data_parallel_size: int = _f(1, "engine processes behind `llmtower serve`, each with its own "
                                  "model copy and KV cache of --kv-cache-memory",
                                  aliases=["-dp"])
@@ -293,6 +296,7 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_num_queued_reqs=self.max_num_queued_reqs,
             max_num_queued_tokens=self.max_num_queued_tokens, max_bypass=self.max_bypass,
+            enable_degradation=self.enable_degradation,
             preemption_victim=self.preemption_victim,  # type: ignore[arg-type]
             tenant_weights=parse_tenant_weights(self.tenant_weights),
             max_model_len_reason=max_model_len_reason)

@@ -18,12 +18,14 @@ class CPUExecutor:
 
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
-                 seed: int = 0, attention_backend: str = "auto") -> None:
+                 seed: int = 0, attention_backend: str = "auto",
+                 quantization: str = "none") -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
         self.model_config = model_config
         self.dtype = dtype
-        self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len)
+        self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len,
+                                      quantization)
         self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
                                 cache_config.block_size, dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
@@ -35,7 +37,6 @@ class CPUExecutor:
         so = scheduler_output
         self.kv_cache.swap_out(so.blocks_to_swap_out)
         self.kv_cache.swap_in(so.blocks_to_swap_in)
-        self.kv_cache.copy(so.blocks_to_copy)
         self.kv_cache.move(so.blocks_to_move)  # block tables: remapped by the runner
         return self.runner.execute_model(so)
 

@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models.linear import linear, silu_mul
+from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
 from llmtower.models.rope import RotaryEmbedding
+
+Weight = torch.Tensor | QuantizedLinear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,34 +34,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def apply_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for a float matrix or a packed quantized one."""
+    if isinstance(w, QuantizedLinear):
+        return w(x, bias)
+    return linear(x, w, bias)
+
+
 @dataclass
 class DecoderLayerWeights:
-    """Owns one decoder layer's tensors (q/k/v fused into one matrix)."""
+    """Owns one decoder layer's tensors (q/k/v fused into one matrix). Quantized layers hold
+    ``QuantizedLinear``s and fuse gate and up into one matrix (``gate_up``) instead."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    qkv: Weight  # [(H + 2 * Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | None
+    up: torch.Tensor | None
+    down: Weight
+    gate_up: QuantizedLinear | None = None  # [2 * intermediate, hidden]: gate rows, then up
 
 
 class LlamaForCausalLM:
     """Owns the weights of a Llama-family model and its rotary tables; ``forward`` runs one
     step's flat batch through every layer and returns logits for the rows asked for."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 dtype: torch.dtype, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor | QuantizedTensor],
+                 dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
+        if quantization not in ("none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization={quantization!r} is not one of none, int8, int4, gguf")
         self.config = config
         self.dtype = dtype
+        # Linear weights are kept quantized when the state dict holds quantized ones (gguf) or
+        # when asked to quantize float ones (int8 / int4); the embeddings stay float.
+        self.quantization = quantization
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        take = _Taker(state_dict, dtype)
+        take = _Taker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight", (config.hidden_size,))
@@ -67,21 +84,27 @@ class LlamaForCausalLM:
                 raise ValueError("the checkpoint has no lm_head.weight but tie_word_embeddings is "
                                  "false: set tie_word_embeddings=true in config.json if the "
                                  "embeddings are shared")
-            self.lm_head = self.embed
+            self.lm_head: Weight = self.embed
         else:
             self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+        if quantization != "none":
+            # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
+            # output layer at 8 bits or more); the embedding lookup keeps the float table.
+            head = self.lm_head
+            assert isinstance(head, torch.Tensor)
+            self.lm_head = pack(quantize_int8(head))
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def _load_layer(self, take: "_Taker", i: int) -> DecoderLayerWeights:
+    def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
         c = self.config
         p = f"model.layers.{i}."
         hd, h, hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        q = take(p + "self_attn.q_proj.weight", (h * hd, c.hidden_size))
-        k = take(p + "self_attn.k_proj.weight", (hkv * hd, c.hidden_size))
-        v = take(p + "self_attn.v_proj.weight", (hkv * hd, c.hidden_size))
+        q = take.linear(p + "self_attn.q_proj.weight", (h * hd, c.hidden_size))
+        k = take.linear(p + "self_attn.k_proj.weight", (hkv * hd, c.hidden_size))
+        v = take.linear(p + "self_attn.v_proj.weight", (hkv * hd, c.hidden_size))
         qkv_bias = None
         if c.attention_bias or take.has(p + "self_attn.q_proj.bias"):
             qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias", (s,))
@@ -90,14 +113,22 @@ class LlamaForCausalLM:
         # the weights.
         o_bias = take(p + "self_attn.o_proj.bias", (c.hidden_size,)) \
             if take.has(p + "self_attn.o_proj.bias") else None
+        gate = take.linear(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        up = take.linear(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        fused_gate_up = None
+        if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)):
+            fused_gate_up = _fuse([gate, up])
+            gate = up = None
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=torch.cat([q, k, v]).contiguous(), qkv_bias=qkv_bias,
-            o_proj=take(p + "self_attn.o_proj.weight", (c.hidden_size, h * hd)), o_bias=o_bias,
+            qkv=_fuse([q, k, v]), qkv_bias=qkv_bias,
+            o_proj=_fuse([take.linear(p + "self_attn.o_proj.weight", (c.hidden_size, h * hd))]),
+            o_bias=o_bias,
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate=take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-            up=take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-            down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)))
+            gate=gate, up=up,  # type: ignore[arg-type]
+            down=_fuse([take.linear(p + "mlp.down_proj.weight",
+                                    (c.hidden_size, c.intermediate_size))]),
+            gate_up=fused_gate_up)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -122,7 +153,7 @@ class LlamaForCausalLM:
         if not self.layers:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.eps)
-        return linear(h, self.lm_head).float()
+        return apply_linear(h, self.lm_head).float()
 
     __call__ = forward
 
@@ -130,7 +161,7 @@ class LlamaForCausalLM:
                    attn: PagedAttention, meta: AttentionMetadata, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         qk = self.rope.apply(qk, cos, sin)
@@ -138,23 +169,42 @@ class LlamaForCausalLM:
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, kv_cache, meta)
-        return linear(o, layer.o_proj, layer.o_bias)
+        return apply_linear(o, layer.o_proj, layer.o_bias)
 
     def _mlp(self, x: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
+        if layer.gate_up is not None:
+            y = layer.gate_up(x)
+            i = y.shape[1] // 2
+            return apply_linear(F.silu(y[:, :i]).mul_(y[:, i:]), layer.down)
         return linear(silu_mul(x, layer.gate, layer.up), layer.down)
 
 
-class _Taker:
-    """Takes named tensors out of a state dict with a clear error for a missing or misshapen one."""
+def _fuse(parts: list[torch.Tensor | QuantizedTensor]) -> Weight:
+    """Matrices stacked along their rows: one float matrix, or one packed quantized one (a
+    float part beside quantized ones is quantized alike)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+    kind = next(p.kind for p in parts if isinstance(p, QuantizedTensor))
+    qs = [p if isinstance(p, QuantizedTensor) else quantize(p, kind) for p in parts]
+    if len({(p.kind, p.group_size) for p in qs}) > 1:
+        qs = [quantize_int8(p.dequantize()) for p in qs]
+    return pack(QuantizedTensor.cat(qs))
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+
+class _Taker:
+    """Takes named tensors out of a state dict with a clear error for a missing or misshapen
+    one; ``linear`` also quantizes float matrices when asked (``quantize`` int8 / int4)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor | QuantizedTensor], dtype: torch.dtype,
+                 quantize: str | None = None) -> None:
         self.state_dict = state_dict
         self.dtype = dtype
+        self.quantize = quantize
 
     def has(self, name: str) -> bool:
         return name in self.state_dict
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
         t = self.state_dict.get(name)
         if t is None:
             raise ValueError(f"the checkpoint lacks tensor {name!r}: is it a complete "
@@ -162,4 +212,19 @@ class _Taker:
         if tuple(t.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
                              f"{shape}: the weights do not match the config")
+        return t
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self._get(name, shape)
+        if isinstance(t, QuantizedTensor):
+            t = t.dequantize()
+        return t.to(self.dtype).contiguous()
+
+    def linear(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
+        """A linear layer's weight: quantized if the checkpoint holds it so or if asked to."""
+        t = self._get(name, shape)
+        if isinstance(t, QuantizedTensor):
+            return t
+        if self.quantize is not None:
+            return quantize(t, self.quantize)  # type: ignore[arg-type]
         return t.to(self.dtype).contiguous()

@@ -1,0 +1,171 @@
+"""Weights kept quantized: int4 (groups of 32 with a scale and a zero point) and int8 (one
+scale per output channel), multiplied by torch's CPU weight-only kernels.
+
+Two stages, because fusing q/k/v (and gate/up) concatenates matrices along their rows, and the
+packed int4 layout of ``_convert_weight_to_int4pack_for_cpu`` is not one that concatenates:
+
+- ``QuantizedTensor``: the plain integers and their per-group (or per-row) float32 scales, as
+  read from a GGUF block or computed from float weights. ``dequantize()`` gives the float
+  matrix these integers stand for, the reference the quantized model is compared with.
+- ``QuantizedLinear``: the packed form one ``linear`` call multiplies by
+  (``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``).
+
+Both kernels are fast only with bfloat16 activations on CPU (their float32 paths are 10-50x
+slower here), so a ``QuantizedLinear`` computes in bfloat16: a float32 model casts the
+activations in and the result back out around each product. Its scales are stored in bfloat16,
+which rounds a GGUF's float16 scales (8 of 11 significant bits kept): that is part of what the
+reported error against the dequantized float model measures.
+
+int4 maps GGUF's Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) exactly onto torch's
+``(q - 8) * scale + zero`` with groups of 32 (Q4_1: ``zero = m + 8 d``). Q8_0's per-block
+scales have no torch kernel: such weights are re-quantized to int8 per output channel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+QuantKind = Literal["int4", "int8"]
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
+INT4_GROUP = 32
+# _convert_weight_to_int4pack_for_cpu wants the output dimension in multiples of 16.
+_INT4_ROW_MULTIPLE = 16
+
+
+@dataclass
+class QuantizedTensor:
+    """Owns one matrix [N, K] in quantized form before packing.
+
+    int4: ``q`` uint8 in 0..15, ``scale``/``zero`` float32 [N, K // group]; a value is
+    ``(q - 8) * scale + zero``. int8: ``q`` int8, ``scale`` float32 [N, 1], ``zero`` None; a value
+    is ``q * scale``.
+    """
+
+    kind: QuantKind
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix these integers stand for."""
+        if self.kind == "int8":
+            return self.q.to(torch.float32) * self.scale
+        n, k = self.shape
+        g = self.group_size
+        assert self.zero is not None
+        q = self.q.to(torch.float32).view(n, k // g, g) - 8.0
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """The rows ``index`` (e.g. undoing llama.cpp's q/k row permutation)."""
+        return QuantizedTensor(self.kind, self.q[index], self.scale[index],
+                               None if self.zero is None else self.zero[index], self.group_size)
+
+    @staticmethod
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        """Stack matrices of one kind and group size along their rows (fused q/k/v, gate/up)."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
+            raise ValueError("cannot fuse quantized matrices of different kinds or group sizes")
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
+        return QuantizedTensor(first.kind, torch.cat([p.q for p in parts]),
+                               torch.cat([p.scale for p in parts]), zero, first.group_size)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 with one scale per output row: ``scale = max|w_row| / 127``."""
+    w = w.to(torch.float32)
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", q, scale, None, int(w.shape[1]))
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedTensor:
+    """Asymmetric int4 over groups of ``group_size`` columns, as GGUF's Q4_1: each group's
+    minimum and maximum span the 16 levels."""
+    w = w.to(torch.float32)
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 needs the input dimension ({k}) in multiples of {group_size}")
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedTensor("int4", q.view(n, k), scale, lo + 8.0 * scale, group_size)
+
+
+def requantize_int8(t: QuantizedTensor) -> QuantizedTensor:
+    """Per-group int8 (GGUF Q8_0) -> int8 with one scale per row (the kernel torch has)."""
+    return quantize_int8(t.dequantize())
+
+
+def int4_supported(shape: tuple[int, int], group_size: int = INT4_GROUP) -> bool:
+    """Whether torch's CPU int4 kernel takes a [N, K] matrix."""
+    n, k = shape
+    return n % _INT4_ROW_MULTIPLE == 0 and k % group_size == 0
+
+
+class QuantizedLinear:
+    """Owns one packed quantized weight [N, K]; ``__call__(x, bias)`` is ``x @ W.T + bias`` with
+    ``W`` its dequantized matrix, computed in bfloat16 with float32 accumulation, returned in
+    ``x``'s dtype."""
+
+    COMPUTE_DTYPE = torch.bfloat16
+
+    def __init__(self, t: QuantizedTensor) -> None:
+        self.kind: QuantKind = t.kind
+        self.out_features, self.in_features = t.shape
+        self.group_size = t.group_size
+        cd = self.COMPUTE_DTYPE
+        if t.kind == "int4":
+            if not int4_supported(t.shape, t.group_size):
+                raise ValueError(f"torch's int4 kernel cannot take a {t.shape} matrix "
+                                 f"(rows in multiples of {_INT4_ROW_MULTIPLE}, columns of "
+                                 f"{t.group_size})")
+            assert t.zero is not None
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                t.q.to(torch.int32).contiguous(), 1)
+            # [K // group, N, 2]: (scale, zero) of each group of each output channel.
+            self.scales = torch.stack([t.scale.t(), t.zero.t()], dim=-1).to(cd).contiguous()
+        else:
+            self.weight = t.q.contiguous()
+            self.scales = t.scale.view(-1).to(cd).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        xc = x if dtype == self.COMPUTE_DTYPE else x.to(self.COMPUTE_DTYPE)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.weight, self.group_size,
+                                                            self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xc, self.weight, self.scales)
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        if bias is not None:
+            y = y + bias
+        return y
+
+
+def pack(t: QuantizedTensor) -> QuantizedLinear:
+    """The packed form of ``t``; int4 matrices the kernel cannot take fall back to int8."""
+    if t.kind == "int4" and not int4_supported(t.shape, t.group_size):
+        t = quantize_int8(t.dequantize())
+    return QuantizedLinear(t)
+
+
+def quantize(w: torch.Tensor, kind: QuantKind) -> QuantizedTensor:
+    """A float matrix quantized as ``kind``; int4 where the kernel takes its shape, else int8."""
+    if kind == "int4" and int4_supported((int(w.shape[0]), int(w.shape[1]))):
+        return quantize_int4(w)
+    return quantize_int8(w)
