@@ -51,14 +51,14 @@ def generate_alone(model, prompt, n) -> list[int]:
     return out
 
 
-def test_kv_cache_swaps_and_copies_whole_blocks(model):
+def test_kv_cache_swaps_and_moves_whole_blocks(model):
     cfg, _ = model
     kv = KVCache(cfg, num_blocks=6, num_cpu_blocks=3, block_size=BS, dtype=torch.float32)
     for layer in kv.kv_caches:
         for b in range(6):
             layer[:, b] = b + 1
     kv.swap_out([(4, 0), (5, 2)])
-    kv.copy([(1, 3)])
+    kv.move([(1, 3)])
     kv.swap_in([(2, 0), (0, 1)])
     for layer, swap in zip(kv.kv_caches, kv.swap_caches):
         assert swap[:, 0].eq(5).all() and swap[:, 2].eq(6).all()
@@ -92,17 +92,6 @@ def test_prefill_chunks_and_decodes_mixed_in_one_batch(model):
     out = step(ex, cached=[CachedRequestData("b", [], 11)], sched={"b": 1}, finished_req_ids={"a"})
     assert out == {"b": ref_b[2:3]}
     assert list(ex.runner.batch.req_id_to_row) == ["b"]
-
-
-def test_copied_blocks_serve_a_request_that_shares_them(model):
-    """blocks_to_copy (copy-on-write) runs before the forward pass: b's block table points at
-    copies of a's first two blocks, marked computed, and b gives a's tokens."""
-    ref = generate_alone(model, PROMPT, 2)
-    ex = make_executor(model)
-    step(ex, [new("a", PROMPT, [0, 1, 2])], sched={"a": 10})
-    out = step(ex, [new("b", PROMPT, [7, 8, 9], computed=8)], sched={"b": 2},
-               blocks_to_copy=[(0, 7), (1, 8)], finished_req_ids={"a"})
-    assert out == {"b": ref[:1]}
 
 
 def test_resumed_request_gets_a_new_block_table_and_the_scheduler_tokens(model):

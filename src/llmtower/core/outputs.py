@@ -60,10 +60,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # (src, dst) block-id pairs the executor performs *before* the forward pass, in this
-    # order: swap-out (device -> CPU), swap-in (CPU -> device), device-to-device copies.
+    # order: swap-out (device -> CPU), swap-in (CPU -> device).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # The relocator's moves, performed after the swaps, as one gather-then-scatter batch: the
     # block in ``src`` now lives in ``dst``, so the executor also rewrites ``src`` to ``dst``
     # in the block tables it holds (before it adds this step's new requests, whose block ids
@@ -217,6 +216,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     input_queue_size: int = 0
     external_fragmentation: float = 0.0
     num_cached_blocks: int = 0
+    # Memory under pressure (issue 14): the relocator's block moves so far, pinned prefix
+    # blocks, the degradation level (0 normal .. 4 refusing) and its actions so far.
+    num_block_moves_total: int = 0
+    num_pinned_blocks: int = 0
+    degradation_level: int = 0
+    degradation_actions: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

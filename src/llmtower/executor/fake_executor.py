@@ -61,13 +61,11 @@ class FakeExecutor:
         self.num_steps += 1
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
-        # Swaps and copies happen before the forward pass, in this order.
+        # Swaps and moves happen before the forward pass, in this order.
         for src, dst in so.blocks_to_swap_out:
             self.cpu_kv[dst] = self.kv[src]
         for src, dst in so.blocks_to_swap_in:
             self.kv[dst] = self.cpu_kv[src]
-        for src, dst in so.blocks_to_copy:
-            self.kv[dst] = self.kv[src]
         self.apply_block_moves(so.blocks_to_move)
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = _ReqState(list(new.prompt_token_ids),

@@ -62,10 +62,6 @@ class KVCache:
         """(CPU block, device block) pairs: copy swapped blocks back to the device."""
         self._move(pairs, self.swap_caches, self.kv_caches, "swap_in")
 
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(src, dst) device block pairs (copy-on-write)."""
-        self._move(pairs, self.kv_caches, self.kv_caches, "copy")
-
     def move(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device block pairs of the relocator, one gather-then-scatter batch (a
         batch may rotate blocks along a cycle)."""
