@@ -221,3 +221,15 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, tiny_server, tokenizer):
     # Not when streaming (as vLLM): a 400 that says so.
     r = _post(tiny_server, "/v1/completions", {**body, "stream": True})
     assert r.status_code == 400 and "streaming" in r.json()["error"]["message"]
+
+
+def test_chat_echo_continues_the_assistants_last_message(client):
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"echo": True, "ignore_eos": True,
+                                                   "add_generation_prompt": False})
+    assert r.choices[0].message.content.startswith("Hello")
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True,
+        extra_body={"echo": True, "ignore_eos": True, "add_generation_prompt": False}))
+    assert chunks[0].choices[0].delta.content == "Hello"

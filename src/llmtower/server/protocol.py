@@ -239,6 +239,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # Replaces the template for this request: only with --trust-request-chat-template.
     chat_template: str | None = None
+    # vLLM's chat echo: a last message of the assistant's role is continued, and echoed.
+    echo: bool = False
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

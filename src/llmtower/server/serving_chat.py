@@ -55,6 +55,13 @@ def chat_logprobs(entries: SampleLogprobs, top_k: int, as_ids: bool = False) -> 
     return ChatLogprobs(content=content)
 
 
+def echo_text(req: ChatCompletionRequest) -> str:
+    """With ``echo``, the last message's text when it is the assistant's (the reply continues
+    it, as vLLM does), else nothing."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == ROLE else ""
+
+
 class OpenAIServingChat(ServingBase):
     """Owns the /v1/chat/completions endpoint: chat template, tool calling, and the chat
     response and chunk formats."""
@@ -129,7 +136,8 @@ class OpenAIServingChat(ServingBase):
                 final = ro
             item = await anext(stream, None)
         note_tokens(request_id, num_prompt, sum(num_tokens))
-        messages = [tool_message(plan, texts[i]) for i in range(n)]
+        echo = echo_text(req)
+        messages = [tool_message(plan, echo + texts[i]) for i in range(n)]
         return ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatChoice(
@@ -157,8 +165,8 @@ class OpenAIServingChat(ServingBase):
 
         # One choice per chunk, as OpenAI streams n > 1.
         for i in range(n):
-            yield sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
-                             ]).model_dump_json(exclude_none=True))
+            yield sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(
+                role=ROLE, content=echo_text(req)))]).model_dump_json(exclude_none=True))
         num_tokens = 0
         final: RequestOutput | None = None
         item = first
