@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from llmtower.core.sampling_params import SamplingParams
@@ -52,12 +53,15 @@ def test_engines_sync_every_interval_and_stop_together_when_idle(tokenizer):
         await _tokens(llm, "one", max_tokens=40)
         await asyncio.sleep(0.5)  # the wave ends at the next sync once nobody has work
         after = await _status(llm)
+        procs = [psutil.Process(pid) for pid in llm.client.pids]
+        cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
         await asyncio.sleep(1.0)
+        cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu0)]
         later = await _status(llm)
         ping = await llm.ping()
-        return before, after, later, ping, llm.client.num_wave_starts
+        return before, after, later, ping, llm.client.num_wave_starts, cpu
 
-    before, after, later, ping, wave_starts = _run(tokenizer, body, dp_sync_interval=4)
+    before, after, later, ping, wave_starts, idle_cpu = _run(tokenizer, body, dp_sync_interval=4)
     assert [s.epoch for s in before] == [0, 0] and before[0].members == [0, 1]
     assert all(s.active for s in before)
     # 40 decode steps at one sync per 4 steps: about 10 collectives, the same on both engines
@@ -65,8 +69,9 @@ def test_engines_sync_every_interval_and_stop_together_when_idle(tokenizer):
     assert after[0].num_syncs == after[1].num_syncs >= 40 // 4 - 1
     assert after[0].wave == after[1].wave == 1 and not any(s.in_wave for s in after)
     assert wave_starts >= 1
-    # Idle: nobody syncs or steps any more.
+    # Idle: nobody syncs or steps any more, and the engines take (almost) no CPU time.
     assert [s.num_syncs for s in later] == [s.num_syncs for s in after]
+    assert max(idle_cpu) < 0.1, idle_cpu
     assert ping.num_unfinished_requests == 0
 
 

@@ -58,7 +58,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--num-replicas", type=int, default=1,
                     help="data-parallel replicas, each with its own scheduler and KV cache")
     hw.add_argument("--load-balancer", default="round_robin",
-                    choices=["round_robin", "least_loaded"])
+                    choices=["round_robin", "least_loaded", "coordinator",
+                             "coordinator_no_prefix"],
+                    help="how requests are spread over replicas: 'coordinator' is llmtower "
+                         "serve's own data-parallel router (real load + prefix affinity)")
     hw.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="fraction of device memory for weights + KV cache")
     hw.add_argument("--kv-cache-memory", default=None,

@@ -15,6 +15,7 @@ of first-block hashes is bounded (LRU).
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,10 +41,12 @@ class EngineLoad:
 def prefix_keys(token_ids: list[int], block_size: int, max_blocks: int) -> list[bytes]:
     """Chained digests of the first full blocks of a prompt: key k covers blocks 0..k."""
     keys: list[bytes] = []
+    num_blocks = min(max_blocks, len(token_ids) // block_size)
+    raw = array("q", token_ids[:num_blocks * block_size]).tobytes()  # one copy, C speed
+    step = block_size * 8
     h = hashlib.blake2b(digest_size=16)
-    for k in range(min(max_blocks, len(token_ids) // block_size)):
-        block = token_ids[k * block_size:(k + 1) * block_size]
-        h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in block))
+    for k in range(num_blocks):
+        h.update(raw[k * step:(k + 1) * step])
         keys.append(h.copy().digest())
     return keys
 

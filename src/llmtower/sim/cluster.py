@@ -7,6 +7,7 @@ from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmtower.core.request import Request
 from llmtower.core.sched.scheduler import Scheduler
+from llmtower.distributed.routing import EngineLoad, Router
 from llmtower.sim.clock import VirtualClock
 from llmtower.sim.cost_model import CostModel
 from llmtower.sim.sim_executor import SimExecutor
@@ -43,7 +44,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, replicas: list[Replica]) -> int:
+    def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
         i = self._next
         self._next = (i + 1) % len(replicas)
         return i
@@ -53,7 +54,7 @@ class LeastLoaded:
     """Sends each request to the replica with the fewest unfinished requests (lowest index on
     a tie), as a client that sees every engine's queue would."""
 
-    def choose(self, replicas: list[Replica]) -> int:
+    def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
         best, best_load = 0, replicas[0].load
         for r in replicas[1:]:
             load = r.load
@@ -62,9 +63,31 @@ class LeastLoaded:
         return best
 
 
+class Coordinator:
+    """The real data-parallel coordinator's rule (``distributed/routing.py``): each replica's
+    load from its queues and KV usage, with prefix affinity unless ``prefix_aware`` is off.
+    The simulator sees the replicas' state at once where the real head sees snapshots up to
+    half a second old."""
+
+    def __init__(self, prefix_aware: bool = True) -> None:
+        self.router: Router | None = None
+        self.prefix_aware = prefix_aware
+
+    def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
+        if self.router is None:
+            block_size = replicas[0].scheduler.cache_config.block_size
+            self.router = Router(block_size, prefix_aware=self.prefix_aware)
+        loads = [EngineLoad(in_flight=r.load, waiting=len(r.scheduler.waiting),
+                            running=len(r.scheduler.running), kv_usage=r.scheduler.kv.usage())
+                 for r in replicas]
+        return self.router.choose(loads, token_ids)
+
+
 LOAD_BALANCERS: dict[str, Callable[[], object]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
+    "coordinator": Coordinator,
+    "coordinator_no_prefix": lambda: Coordinator(prefix_aware=False),
 }
 
 

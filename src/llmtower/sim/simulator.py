@@ -142,8 +142,8 @@ class Simulator:
                 progress(now, i - metrics.num_unfinished)
             if i < n and (not heap or trace[i].arrival_time <= heap[0][0]):
                 tr = trace[i]
-                rep = replicas[balancer.choose(replicas)]
                 ids = prompts.token_ids(tr)
+                rep = replicas[balancer.choose(replicas, ids)]
                 sp = params.get(tr.output_len)
                 if sp is None:
                     sp = params[tr.output_len] = _sampling_params(tr.output_len, oracle)
