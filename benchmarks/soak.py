@@ -74,8 +74,8 @@ def rss_mib(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def one_request(base: str, rng: random.Random) -> int:
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 300)))
+def one_request(base: str, rng: random.Random, max_words: int) -> int:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, max_words)))
     body = {"model": "soak", "prompt": prompt, "max_tokens": rng.randint(1, 24),
             "temperature": 0.0, "ignore_eos": True}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--report-every", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-words", type=int, default=300, help="longest prompt, in words")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the server (e.g. LLMTOWER_ONEDNN_CACHE_CAPACITY=1024)")
     args = p.parse_args(argv)
@@ -113,7 +114,7 @@ def main() -> None:
             while done < args.requests:
                 n = min(args.report_every, args.requests - done)
                 seeds = [rng.random() for _ in range(n)]
-                for status in pool.map(lambda s: one_request(base, random.Random(s)), seeds):
+                for status in pool.map(lambda s: one_request(base, random.Random(s), args.max_words), seeds):
                     errors += status != 200
                 done += n
                 rows.append((done, rss_mib(api), rss_mib(engine)))

@@ -264,3 +264,9 @@ def test_a_trusted_request_template_that_loops_is_stopped(guarded_server):
                headers=KEY)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["prompt_tokens"] <= 2  # "hi", without the ChatML wrapping
+
+
+def test_an_overflow_anywhere_below_the_protocol_is_a_400_not_a_500():
+    from llmtower.server.errors import to_api_error
+    err = to_api_error(OverflowError("int too big to convert"))
+    assert err.status_code == 400 and "out of range" in err.message

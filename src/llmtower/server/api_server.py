@@ -204,7 +204,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if bad:
             raise APIError(f"token id(s) {bad[:5]} are outside the vocabulary "
                            f"(0..{llm.vocab_size - 1})", 400, param="tokens")
-        return {"prompt": llm.decode(body.tokens)}
+        return {"prompt": await llm.off_loop.run(llm.decode, body.tokens)}
 
     return app
 

@@ -80,6 +80,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 400, code="context_length_exceeded")
     if isinstance(exc, ValueError):
         return APIError(str(exc), 400, param=_param_of(str(exc)))
+    if isinstance(exc, OverflowError):  # a number too large for the engine's wire or torch
+        return APIError(f"a number in the request is out of range: {exc}", 400)
     logger.error("internal error", exc_info=exc)
     return APIError(f"internal server error ({type(exc).__name__}); see the server log", 500)
 
@@ -124,6 +126,6 @@ def install_exception_handlers(app: FastAPI) -> None:
     # Registered one by one: a handler for plain Exception runs in Starlette's outermost
     # middleware, which logs and re-raises even after answering.
     for exc_type in (APIError, EngineDeadError, QueueFullError, RequestTimeoutError,
-                     AdmissionError, ValueError, ServerShuttingDownError):
+                     AdmissionError, ValueError, ServerShuttingDownError, OverflowError):
         app.add_exception_handler(exc_type, _known)
     app.add_exception_handler(Exception, _known)
