@@ -41,6 +41,9 @@ class SchedulerConfig:
       complete their prompt.
     - ``max_num_queued_reqs`` / ``max_num_queued_tokens``: admission limits of the waiting
       queue (0: unlimited); beyond them ``add_request`` raises ``QueueFullError`` (HTTP 429).
+    - ``enable_degradation``: under KV or host-memory pressure, step down (count cache
+      evictions, shrink the batch, refuse new work with 429) and back up when it passes
+      (``core/sched/degradation.py``).
     - ``max_bypass``: how many later requests may overtake a waiting request that does not fit
       before the scheduler stops admitting anyone behind it (no starvation, no head-of-line
       blocking).
@@ -57,6 +60,7 @@ class SchedulerConfig:
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
     max_bypass: int = 8
+    enable_degradation: bool = False
     sjf_aging_tokens_per_s: float = 100.0
     preemption_victim: PreemptionVictim = "priority"
     tenant_weights: dict[str, float] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from llmtower.core.sched.scheduler import Scheduler
+from llmtower.core.sched.degradation import check_host_memory
 from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
@@ -66,6 +67,8 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
     num_cpu_blocks = 0
     if args.preemption_mode == "swap":
         num_cpu_blocks = parse_swap_space(args.swap_space) // per_block
+    # Never into the OOM killer: the pool and swap space must fit the host's memory.
+    check_host_memory(num_blocks * per_block, num_cpu_blocks * per_block)
     return num_blocks, num_cpu_blocks
 
 

@@ -150,6 +150,8 @@ class Scheduler:
                 f"request {rid!r} has {request.num_tokens} prompt tokens, more than the waiting "
                 f"queue may ever hold (max_num_queued_tokens={cfg.max_num_queued_tokens}); "
                 "shorten the prompt")
+        if not self.requests:
+            self.degradation.on_idle()
         try:  # under heavy KV pressure (degradation level 4) new work is shed early
             self.degradation.check_admission(rid)
         except QueueFullError:
@@ -309,7 +311,7 @@ class Scheduler:
             step.moves = self.relocator.plan_step(
                 self.kv.block_tables(), written_blocks(self.kv.req_to_blocks, self.requests,
                                                        step.scheduled, self.cache_config.block_size))
-        deg.on_step(len(step.preempted), self.kv.pool.num_evictions)  # graceful degradation
+        deg.on_step(len(step.preempted), self.kv.pool.num_evictions, len(self.running))
         return self._build_output(step)
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
@@ -726,6 +728,8 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv
+        if not self.requests:
+            self.degradation.on_idle()
         step = self._last
         total = step.initial_budget - step.budget
         return SchedulerStats(
@@ -756,6 +760,10 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
+            num_block_moves_total=self.relocator.num_moves_total,
+            num_pinned_blocks=len(kv.pinned),
+            degradation_level=self.degradation.level,
+            degradation_actions=dict(self.degradation.actions),
         )
 
 
