@@ -163,6 +163,11 @@ def test_vllm_style_command_line(vllm_style_server, tokenizer):
     assert [m["id"] for m in models["data"]] == ["first", "second"]
     assert models["data"][0]["max_model_len"] == 512  # "0.5K" from the YAML file
     assert httpx.get(f"{base}/v1/models").status_code == 401
+    # Probes and the API's documentation need no key.
+    for path in ("/ping", "/load", "/docs", "/openapi.json"):
+        assert httpx.get(f"{base}{path}").status_code == 200, path
+    # Bound to 127.0.0.1, the start-up log says how to listen on all interfaces.
+    assert "--host 0.0.0.0" in vllm_style_server.log_path.read_text()
     for key, name in (("k1", "first"), ("k2", "second")):
         r = _post(vllm_style_server, "/v1/completions",
                   {"model": name, "prompt": "secret prompt text", "max_tokens": 2},
