@@ -20,10 +20,12 @@ same collective: the head numbers each one and sends it to all engines; each wri
 highest number it holds in its ``op`` column, and an operation runs once the collective shows
 that every member holds it. Outside a wave there are no steps to line up with: it runs at once.
 
-The collective is posted asynchronously and collected one sync later, so a busy engine never
-waits for it unless a peer is a whole interval behind. Every wait has a timeout: a peer that
-died or hung breaks the group (``broken``), this engine keeps serving alone, and the head forms
-a new group of the survivors (a new *epoch*: a fresh gloo group under its own store prefix).
+The collective is posted asynchronously and collected when done: the busy loop never waits for
+it. A peer that is behind only delays the next sync (it is not posted while one is out), never
+this engine's steps. A collective out for longer than ``timeout_s`` (a peer died, hung or was
+cut off) breaks the group (``group_broken``): this engine keeps serving alone, and the head
+forms a new group of the survivors (a new *epoch*: a fresh gloo group under its own store
+prefix).
 """
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ class DPGroup:
     _store: object | None = None
     _pending: _Pending | None = None
     _steps_in_wave: int = 0
+    _last_post_step: int = 0
     # Coordinated operations received and not yet run: op id -> what the engine must do.
     _ops: dict[int, object] = field(default_factory=dict)
     _max_op: int = 0
@@ -169,7 +172,7 @@ class DPGroup:
         (a stale start, for a wave that already ended here, is ignored)."""
         if not self.active or self.in_wave or wave < self.wave:
             return False
-        self.in_wave, self._steps_in_wave = True, 0
+        self.in_wave, self._steps_in_wave, self._last_post_step = True, 0, 0
         return True
 
     def tick(self, row: list[int], stepped: bool) -> list[DPEvent]:
@@ -183,20 +186,19 @@ class DPGroup:
         if not self.in_wave:
             if not has_work:
                 return []
-            self.in_wave, self._steps_in_wave = True, 0
+            self.in_wave, self._steps_in_wave, self._last_post_step = True, 0, 0
             events.append(DPEvent("wave_started", self.wave, self.epoch))
         if stepped:
             self._steps_in_wave += 1
         try:
-            self._collect(block=False)
+            self._collect()
             # A busy engine syncs every interval; an idle one as soon as it can (it has no
-            # steps to count and must not hold the others back).
-            due = (not has_work) or self._steps_in_wave % self.config.sync_interval == 0
-            if due and self.in_wave:
-                if self._pending is not None:
-                    self._collect(block=True)
-                if self.in_wave:
-                    self._post(row)
+            # steps to count and must not hold the others back). Nobody ever waits: while
+            # the last collective is still out (a peer is behind), the next one is not posted.
+            due = (not has_work) or \
+                self._steps_in_wave - self._last_post_step >= self.config.sync_interval
+            if due and self.in_wave and self._pending is None:
+                self._post(row)
         except RuntimeError as e:
             events.append(self._broken(e))
         return events
@@ -240,13 +242,18 @@ class DPGroup:
         t[self.members.index(self.config.rank)] = torch.tensor(row, dtype=torch.int64)
         work = self._pg.allreduce([t])  # type: ignore[union-attr]
         self._pending = _Pending(work, t, t0)
+        self._last_post_step = self._steps_in_wave
         self.sync_wait_seconds_total += time.perf_counter() - t0
 
-    def _collect(self, block: bool) -> None:
+    def _collect(self) -> None:
         p = self._pending
         if p is None:
             return
-        if not block and not p.work.is_completed():  # type: ignore[attr-defined]
+        if not p.work.is_completed():  # type: ignore[attr-defined]
+            waited = time.perf_counter() - p.posted
+            if waited > self.config.timeout_s:
+                raise RuntimeError(f"a sync has not completed in {waited:.0f} s: a peer is "
+                                   "gone or cut off")
             return
         t0 = time.perf_counter()
         try:
