@@ -6,7 +6,10 @@
   step runs), divided by the tenant's weight (``--tenant-weights a=2,b=1``; default 1).
 - Admission takes the oldest waiting request of the tenant with the **smallest** counter.
 - A tenant that comes back after idling (no request waiting or running) has its counter
-  lifted to the smallest counter among the active tenants, so idling earns no credit.
+  lifted to the smallest counter among the active tenants, less one step's token budget
+  (``return_credit``, within VTC's own fairness bound), so idling earns no more credit than
+  that. The credit is what lets a returning light tenant displace the flooding tenant's
+  latest-admitted request at once instead of waiting for a slot to free.
 - Preemption victims come from the tenant with the **largest** counter, read when each
   request was (re)admitted: a live counter would make two tenants preempt each other in turn
   (each one's counter overtakes the other's while it runs), so the rank of a running request
@@ -133,6 +136,7 @@ class FairPolicy(SchedulingPolicy):
         self.counters: dict[str, float] = {}
         self.stats: dict[str, TenantStats] = {}
         self._rank: dict[int, float] = {}  # seq -> the tenant's counter at (re)admission
+        self.return_credit = float(min(config.max_num_batched_tokens, config.max_model_len))
         self.charge = self._charge
 
     def make_queue(self) -> RequestQueue:
@@ -163,7 +167,7 @@ class FairPolicy(SchedulingPolicy):
             # A returning (or new) tenant starts level with the least-served active tenant.
             active = [self.counters.get(a, 0.0) for a, s in self.stats.items()
                       if s.num_unfinished and a != t]
-            floor = min(active) if active else 0.0
+            floor = min(active) - self.return_credit if active else 0.0
             self.counters[t] = max(self.counters.get(t, 0.0), floor)
         st.num_unfinished += 1
 
