@@ -2,7 +2,7 @@
 server completes, under --policy fcfs and --policy fair: each tenant's p99 TTFT, next to the
 light tenant alone (unloaded), and the same shape in the simulator.
 
-    python benchmarks/tenant_fairness.py [--model DIR] [--duration 30] [--max-num-seqs 4]
+    python benchmarks/tenant_fairness.py [--model DIR] [--duration 30] [--max-num-seqs 2]
 
 Without --model it builds the tests' tiny random-weight Llama (tests/fixtures). Steps:
   1. capacity: a burst of 8 x max_num_seqs requests on an fcfs server -> C requests/s;
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "server")]
 
 PROMPT_WORDS = 20  # about 24 tokens with the tiny tokenizer
-OUTPUT_LEN = 32
+MAX_NUM_SEQS = 2  # set from --max-num-seqs
+OUTPUT_LEN = 128
 
 
 def p99(xs: list[float]) -> float:
@@ -94,7 +95,7 @@ def simulate(num_requests: int) -> dict:
     """The same shape in the simulator: saturated throughput first, then 2x of it."""
     cmd = [sys.executable, "-m", "llmtower.cli.main", "simulate", "run", "--device", "cpu",
            "--model", "smollm2-135m", "--input-len", "fixed:24", "--output-len",
-           f"fixed:{OUTPUT_LEN}", "--max-num-seqs", "4", "--disable-progress"]
+           f"fixed:{OUTPUT_LEN}", "--max-num-seqs", str(MAX_NUM_SEQS), "--disable-progress"]
     out_dir = Path(tempfile.mkdtemp())
 
     def run(extra: list[str], name: str) -> dict:
@@ -128,9 +129,11 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--duration", type=float, default=30.0)
-    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=2)
     ap.add_argument("--no-sim", action="store_true")
     args = ap.parse_args()
+    global MAX_NUM_SEQS
+    MAX_NUM_SEQS = args.max_num_seqs
     model = args.model
     if model is None:
         from tests.fixtures.tiny_models import make_tiny_model_dir
