@@ -101,6 +101,7 @@ class EngineReady(msgspec.Struct):
     max_num_batched_tokens: int
     eos_token_ids: list[int] = []
     vocab_size: int = 0  # the model's (embedding rows); 0 when the engine does not say
+    max_model_len_reason: str = ""  # e.g. the model's sliding window capped it
 
 
 class EngineDead(msgspec.Struct):

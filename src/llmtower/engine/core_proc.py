@@ -402,7 +402,8 @@ def _handshake(engine_core: EngineCore, engine_args: EngineArgs) -> EngineReady:
         max_num_seqs=sched.config.max_num_seqs,
         max_num_batched_tokens=sched.config.max_num_batched_tokens,
         eos_token_ids=[int(t) for t in info.eos_token_ids] if info else [],
-        vocab_size=info.vocab_size if info else 0)
+        vocab_size=info.vocab_size if info else 0,
+        max_model_len_reason=sched.config.max_model_len_reason)
 
 
 def _last_step_num_tokens(engine_core: EngineCore) -> int:
