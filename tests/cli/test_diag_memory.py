@@ -10,6 +10,8 @@ from llmtower.cli.diag import format_runs, png_path
 from llmtower.cli.kv_picture import (
     CPU_COLOURS,
     DEVICE_COLOURS,
+    USED_SHADES,
+    cpu_grid_layout,
     grid_layout,
     render_png,
     render_terminal,
@@ -52,10 +54,20 @@ def test_the_png_has_one_cell_per_block_coloured_by_state(snapshot, tmp_path):
     seen = set()
     for b, state in enumerate(snapshot.block_states):
         x0, y0, x1, y1 = layout.cell_box(b)
-        assert img.getpixel(((x0 + x1) // 2, (y0 + y1) // 2)) == DEVICE_COLOURS[state], b
+        colours = USED_SHADES if state == "u" else (DEVICE_COLOURS[state],)
+        assert img.getpixel(((x0 + x1) // 2, (y0 + y1) // 2)) in colours, b
         seen.add(state)
     assert {"u", "s", "c"} <= seen  # in use, shared (the common prefix), cached
-    cpu = grid_layout(snapshot.num_cpu_blocks, top_px=layout.top_px + layout.height_px + 16)
+    # Each running request's own blocks get their own shade: a and b are told apart.
+    shade = {}
+    for r in snapshot.requests:
+        own = [b for s, n in r.block_runs for b in range(s, s + n)
+               if snapshot.block_states[b] == "u"]
+        if own:
+            x0, y0, x1, y1 = layout.cell_box(own[0])
+            shade[r.request_id] = img.getpixel(((x0 + x1) // 2, (y0 + y1) // 2))
+    assert len(shade) >= 2 and len(set(shade.values())) == len(shade)
+    cpu = cpu_grid_layout(snapshot, layout)
     for b, state in enumerate(snapshot.cpu_block_states):
         x0, y0, x1, y1 = cpu.cell_box(b)
         assert img.getpixel(((x0 + x1) // 2, (y0 + y1) // 2)) == CPU_COLOURS[state]

@@ -26,6 +26,11 @@ from llmtower.core.kv_cache.snapshot import (
 # RGB per state character; CPU states are drawn in the swap strip.
 DEVICE_COLOURS: dict[str, tuple[int, int, int]] = {
     FREE: (232, 232, 232), CACHED: (161, 217, 155), USED: (49, 130, 189), SHARED: (230, 85, 13)}
+# Blocks in use take one of these blues per request (cycling), so that interleaved block
+# tables, the external fragmentation of the tables, show as a mosaic rather than one blue.
+USED_SHADES: tuple[tuple[int, int, int], ...] = (
+    (49, 130, 189), (107, 174, 214), (8, 81, 156), (66, 146, 198), (33, 113, 181),
+    (158, 202, 225))
 CPU_COLOURS: dict[str, tuple[int, int, int]] = {
     CPU_FREE: (242, 240, 247), CPU_SWAPPED: (117, 107, 177)}
 STATE_NAMES = {FREE: "free", CACHED: "free, cached prefix", USED: "in use",
@@ -36,6 +41,7 @@ TARGET_WIDTH_PX = 1200
 MAX_CELL_PX = 24
 MIN_OUTLINE_CELL_PX = 6  # below this an outline would hide the cell's colour
 HEADER_PX = 44
+MIN_WIDTH_PX = 760
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,13 @@ def grid_layout(num_blocks: int, top_px: int = HEADER_PX) -> GridLayout:
     return GridLayout(num_blocks, cols, cell, top_px)
 
 
+def cpu_grid_layout(snap: KVCacheSnapshot, device: GridLayout) -> GridLayout | None:
+    """The CPU swap strip, below the device grid (None without swap space)."""
+    if not snap.num_cpu_blocks:
+        return None
+    return grid_layout(snap.num_cpu_blocks, top_px=device.top_px + device.height_px + 18)
+
+
 def _outline_edges(layout: GridLayout, owner: dict[int, int]) -> list[tuple[int, int, int, int]]:
     """Line segments around each request's cells: an edge is drawn where the neighbour cell
     belongs to another request (or to none)."""
@@ -93,27 +106,32 @@ def render_png(snap: KVCacheSnapshot, path: str | Path) -> GridLayout:
     from PIL import Image, ImageDraw  # Pillow ships with matplotlib, a dependency
 
     layout = grid_layout(snap.num_blocks)
-    cpu = grid_layout(snap.num_cpu_blocks, top_px=layout.top_px + layout.height_px + 16) \
-        if snap.num_cpu_blocks else None
-    width = max(layout.cols * layout.cell_px, 520)
+    cpu = cpu_grid_layout(snap, layout)
+    width = max(layout.cols * layout.cell_px, MIN_WIDTH_PX)  # room for the header's legend
     height = (cpu.top_px + cpu.height_px if cpu else layout.top_px + layout.height_px) + 4
     img = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(img)
     gap = 1 if layout.cell_px >= MIN_OUTLINE_CELL_PX else 0
+    owner: dict[int, int] = {}
+    for i, req in enumerate(snap.requests):
+        for start, n in req.block_runs:
+            for b in range(start, start + n):
+                owner.setdefault(b, i)  # a shared block belongs to its first holder
     for b, state in enumerate(snap.block_states):
         x0, y0, x1, y1 = layout.cell_box(b)
-        draw.rectangle((x0, y0, x1 - 1 - gap, y1 - 1 - gap), fill=DEVICE_COLOURS[state])
+        colour = DEVICE_COLOURS[state]
+        if state == USED and b in owner:
+            colour = USED_SHADES[owner[b] % len(USED_SHADES)]
+        draw.rectangle((x0, y0, x1 - 1 - gap, y1 - 1 - gap), fill=colour)
     if layout.cell_px >= MIN_OUTLINE_CELL_PX:
-        owner: dict[int, int] = {}
-        for i, req in enumerate(snap.requests):
-            for start, n in req.block_runs:
-                for b in range(start, start + n):
-                    owner.setdefault(b, i)  # a shared block is outlined with its first holder
         for line in _outline_edges(layout, owner):
             draw.line(line, fill=OUTLINE)
     if cpu is not None:
-        draw.text((2, cpu.top_px - 14), f"CPU swap space: {snap.num_cpu_blocks} blocks",
-                  fill=OUTLINE)
+        swapped = snap.cpu_block_states.count(CPU_SWAPPED)
+        draw.rectangle((2, cpu.top_px - 13, 12, cpu.top_px - 3),
+                       fill=CPU_COLOURS[CPU_SWAPPED], outline=OUTLINE)
+        draw.text((16, cpu.top_px - 14), f"CPU swap space: {swapped} of {snap.num_cpu_blocks} "
+                  "blocks hold swapped-out requests", fill=OUTLINE)
         for b, state in enumerate(snap.cpu_block_states):
             x0, y0, x1, y1 = cpu.cell_box(b)
             draw.rectangle((x0, y0, x1 - 1 - gap, y1 - 1 - gap), fill=CPU_COLOURS[state])
@@ -133,7 +151,7 @@ def _draw_header(draw, snap: KVCacheSnapshot) -> None:
               SHARED: snap.num_shared}
     for state, name in STATE_NAMES.items():
         draw.rectangle((x, 20, x + 10, 30), fill=DEVICE_COLOURS[state], outline=OUTLINE)
-        label = f"{name}: {counts[state]}"
+        label = f"{name}{' (a blue per request)' if state == USED else ''}: {counts[state]}"
         draw.text((x + 14, 19), label, fill=OUTLINE)
         x += 14 + 6 * len(label) + 14
 

@@ -163,7 +163,7 @@ def compute(metrics: list[SeedMetric], prev: Scrape | None, cur: Scrape, engine:
             assert m.denominator is not None
             num = rate(prev, cur, m.prom, engine)
             den = rate(prev, cur, m.denominator, engine)
-            if prev is None or num is None or den is None:  # first scrape: since the start
+            if not den or num is None:  # no lookups in the interval: since the start
                 num, den = cur.total(m.prom, engine), cur.total(m.denominator, engine)
             out[m.dotted] = num / den if num is not None and den else None
     return out
