@@ -63,3 +63,14 @@ def test_new_token_counts_do_not_grow_the_process_once_bounded():
     # Unbounded, each new shape keeps ~0.5 MiB; bounded, the last 150 shapes cost nothing.
     assert bounded < 10, (bounded, unbounded)
     assert unbounded > bounded
+
+
+def test_the_memory_plan_counts_a_full_steps_working_memory():
+    from llmtower.executor.memory_bounds import working_memory_bytes
+    smollm = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                  head_dim=64, vocab_size=49152, max_num_seqs=256, max_model_len=8192,
+                  elem_size=4)
+    small = working_memory_bytes(max_num_batched_tokens=512, **smollm)
+    large = working_memory_bytes(max_num_batched_tokens=2048, **smollm)
+    # The token budget's activations and scores, 256 sequences' logits, the capped caches.
+    assert 150 * 2**20 < small < large < 1 * 2**30

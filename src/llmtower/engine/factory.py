@@ -8,6 +8,7 @@ import torch
 
 from llmtower.core.sched.scheduler import Scheduler
 from llmtower.core.sched.degradation import check_host_memory
+from llmtower.executor.memory_bounds import working_memory_bytes
 from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
@@ -67,8 +68,17 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
     num_cpu_blocks = 0
     if args.preemption_mode == "swap":
         num_cpu_blocks = parse_swap_space(args.swap_space) // per_block
-    # Never into the OOM killer: the pool and swap space must fit the host's memory.
-    check_host_memory(num_blocks * per_block, num_cpu_blocks * per_block)
+    # Never into the OOM killer: the pool, the model's working memory (memory_bounds.py) and
+    # swap space must fit the host's memory.
+    working = working_memory_bytes(
+        config.hidden_size, config.intermediate_size, config.num_attention_heads,
+        config.num_key_value_heads, config.head_dim, config.vocab_size,
+        args.max_num_batched_tokens, args.max_num_seqs,
+        args.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP, torch.empty((), dtype=dtype).element_size())
+    logger.info("memory plan: KV cache %.2f GiB, working memory %.0f MiB (one step's "
+                "activations, scores and logits; bounded oneDNN caches)",
+                num_blocks * per_block / 2**30, working / 2**20)
+    check_host_memory(num_blocks * per_block + working, num_cpu_blocks * per_block)
     return num_blocks, num_cpu_blocks
 
 

@@ -81,3 +81,24 @@ class HeapTrimmer:
         self.num_trims += 1
         # From the end of the trim: a slow trim on a huge heap cannot run back to back.
         self._next = time.monotonic() + self.interval_s
+
+
+# Native memory of the bounded caches once the heap settles (~1 MiB per bfloat16 primitive).
+BYTES_PER_CACHED_PRIMITIVE = 2**20
+
+
+def working_memory_bytes(hidden_size: int, intermediate_size: int, num_heads: int,
+                         num_kv_heads: int, head_dim: int, vocab_size: int,
+                         max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                         elem_size: int) -> int:
+    """An upper estimate of the engine's memory beyond weights and KV cache, for the memory
+    plan: the activations of one full step (layers run one at a time, so one layer's worth),
+    the attention scores of a prefill chunk (float32), the logits and sampling buffers of
+    every running sequence (float32), and the bounded oneDNN caches."""
+    t = max_num_batched_tokens
+    activations = t * elem_size * (4 * hidden_size + 3 * intermediate_size
+                                   + (num_heads + 2 * num_kv_heads) * head_dim)
+    scores = num_heads * t * min(t, max_model_len) * 4
+    logits = max_num_seqs * vocab_size * 4 * 3  # logits, probabilities, sort scratch
+    capacity = int(os.environ.get(CAPACITY_ENV, DEFAULT_CAPACITY))
+    return activations + scores + logits + capacity * BYTES_PER_CACHED_PRIMITIVE
