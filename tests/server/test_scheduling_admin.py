@@ -87,3 +87,14 @@ def test_fair_server_accounts_tenants_from_header_and_user(fair_server):
         # Every prompt and output token was charged to its tenant (no prefix-cache hits here).
         assert stats[t]["tokens_served"] >= sum(u["prompt_tokens"] + u["completion_tokens"] - 1
                                                 for u in usages)
+    # And in the Prometheus metrics, once the next stats snapshot (every 0.5 s) has arrived.
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+        if 'llmtower:tenant_requests_admitted_total{' in text and 'tenant="light"' in text:
+            break
+        time.sleep(0.3)
+    lines = [x for x in text.splitlines()
+             if x.startswith("llmtower:tenant_requests_admitted_total") and 'tenant="heavy"' in x]
+    assert lines and float(lines[0].split()[-1]) == 10

@@ -108,6 +108,14 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
        "shrink / grow: 10% steps of the batch limits; refuse: requests shed with 429).",
        ("action",)),
     _c("block_moves", "llmtower:kv_block_moves", "KV blocks moved by the relocator."),
+    # --- --policy fair: per tenant (the first MAX_TENANT_SERIES tenants of each engine) ---
+    _c("tenant_tokens", "llmtower:tenant_tokens_served",
+       "Prefill and decode tokens scheduled for a tenant (--policy fair).", ("tenant",)),
+    _c("tenant_admitted", "llmtower:tenant_requests_admitted",
+       "Requests of a tenant admitted for the first time (--policy fair).", ("tenant",)),
+    _c("tenant_queue_time", "llmtower:tenant_queue_time_seconds",
+       "Summed queue time (queued to first scheduled) of a tenant's admitted requests.",
+       ("tenant",)),
     _g("pinned_blocks", "llmtower:kv_cache_pinned_blocks",
        "KV blocks pinned by preloaded prefixes (kept out of eviction)."),
     _c("swap_outs", "llmtower:swap_outs", "Requests swapped out to CPU memory."),
@@ -215,6 +223,9 @@ class _Partial:
         return self.family.labels(*self.labels, *more)
 
 
+# Tenant names come from clients (X-Tenant / user): at most this many label values per engine.
+MAX_TENANT_SERIES = 100
+
 # Engine snapshot totals (cumulative) -> the counter they feed.
 _COUNTER_TOTALS = (("prefix_cache_queries", "prefix_cache_queries"),
                    ("prefix_cache_hits", "prefix_cache_hits"),
@@ -303,6 +314,13 @@ class ServingMetrics:
             if new > old:
                 e.degradation_actions(action).inc(new - old)
             e.last_totals[f"degradation_{action}"] = new
+        for tenant, t in list(stats.tenants.items())[:MAX_TENANT_SERIES]:
+            for key, attr in (("tokens_served", "tenant_tokens"), ("num_admitted",
+                              "tenant_admitted"), ("queue_time_sum", "tenant_queue_time")):
+                old = e.last_totals.get(f"tenant_{key}_{tenant}", 0)
+                if t[key] > old:
+                    getattr(e, attr)(tenant).inc(t[key] - old)
+                e.last_totals[f"tenant_{key}_{tenant}"] = t[key]
         for field, attr in _COUNTER_TOTALS:
             new = getattr(stats, field)
             old = e.last_totals.get(field, 0)
