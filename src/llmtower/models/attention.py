@@ -159,14 +159,17 @@ class PagedAttention:
         self.k_buf = torch.zeros(shape, dtype=dtype)
         self.v_buf = torch.zeros(shape, dtype=dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H * D].
+        ``kv_written``: the caller already stored k and v in their slots (the fused RoPE
+        kernel does); k may then be None when no fresh prefill needs it."""
         hkv, d = self.num_kv_heads, self.head_dim
-        k_flat = kv_cache[0].view(-1, hkv, d)
-        v_flat = kv_cache[1].view(-1, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if not kv_written:
+            assert k is not None
+            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         if meta.decodes is not None:
@@ -184,6 +187,7 @@ class PagedAttention:
         for p in meta.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             if p.num_computed == 0:
+                assert k is not None
                 o = self._fresh_prefill(q[rows], k[rows], v[rows])
             else:
                 o = self._prefill_with_context(q[rows], kv_cache, p)

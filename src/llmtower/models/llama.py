@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models.linear import linear, silu_mul
@@ -97,6 +98,13 @@ class LlamaForCausalLM:
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.max_position = max_position
+        # The fused C kernels for RMSNorm (+ residual), RoPE + KV write and SiLU * up: three
+        # calls per layer where the torch code below makes ~20; the torch code stays as the
+        # fallback where no C compiler exists (and for other dtypes).
+        self.fused: FusedOps | None = None
+        if dtype in (torch.float32, torch.bfloat16) and fused_ops_error() is None:
+            self.fused = FusedOps(dtype)
 
     def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
         c = self.config
@@ -135,6 +143,9 @@ class LlamaForCausalLM:
                 kv_caches: list[torch.Tensor], attn: PagedAttention, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab]."""
+        if self.fused is not None and self.layers:
+            return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
+                                       logits_indices)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1
@@ -156,6 +167,40 @@ class LlamaForCausalLM:
         return apply_linear(h, self.lm_head).float()
 
     __call__ = forward
+
+    def _forward_fused(self, fo: FusedOps, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], attn: PagedAttention,
+                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the fused kernels: per layer three GEMMs (four when quantized), the
+        attention and three C calls. Each residual add is fused into the RMSNorm after it."""
+        c0 = kv_caches[0]
+        fo.check_step(positions, meta.slot_mapping, self.max_position, c0.shape[1] * c0.shape[2])
+        t = input_ids.shape[0]
+        # Only fresh prefills (SDPA over the chunk's own keys) read k beside the cache.
+        want_k = any(p.num_computed == 0 for p in meta.prefills)
+        cos, sin = self.rope.tables()
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+            q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos,
+                                    sin, positions, meta.slot_mapping, kv_caches[i], want_k)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            o = attn.forward(q, k, v, kv_caches[i], meta, kv_written=True)
+            x = apply_linear(o, layer.o_proj, layer.o_bias)
+            if i == last:
+                # Only the rows that are sampled from need the rest of the network.
+                x = x.index_select(0, logits_indices)
+                h = h.index_select(0, logits_indices)
+            x = fo.add_rms_norm(h, x, layer.post_norm, self.eps)
+            if layer.gate_up is not None:
+                x = apply_linear(fo.silu_mul(layer.gate_up(x)), layer.down)
+            else:
+                x = self._mlp(x, layer)
+            norm = self.layers[i + 1].input_norm if i < last else self.norm
+            x = fo.add_rms_norm(h, x, norm, self.eps)
+        return apply_linear(x, self.lm_head).float()
 
     def _attention(self, x: torch.Tensor, layer: DecoderLayerWeights, kv_cache: torch.Tensor,
                    attn: PagedAttention, meta: AttentionMetadata, cos: torch.Tensor,

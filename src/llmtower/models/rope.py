@@ -60,6 +60,10 @@ class RotaryEmbedding:
         self._sin_signed = torch.cat([-sin, sin], dim=-1).to(dtype)
         self.half = head_dim // 2
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-width tables [max_position, head_dim]: cat(cos, cos) and cat(-sin, sin)."""
+        return self._cos, self._sin_signed
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for ``positions`` [T], shaped [T, 1, head_dim] to broadcast over heads."""
         return self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1)
