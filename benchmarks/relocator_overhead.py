@@ -54,7 +54,7 @@ def main() -> None:
         kv = churned(num_blocks)
         tables = kv.block_tables()
         frag = layout_fragmentation(kv.pool, tables)
-        measure = best_of(lambda: layout_fragmentation(kv.pool, tables))
+        measure = best_of(lambda kv=kv, tables=tables: layout_fragmentation(kv.pool, tables))
         # Planning applies its moves: time it on a fresh copy of the same churned pool.
         kv1 = churned(num_blocks)
         rel1 = BlockRelocator(kv1.pool, 0.0, 64)

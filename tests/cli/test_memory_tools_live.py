@@ -64,7 +64,7 @@ class Load:
                     self.failed.append(f"{r.status_code}: {r.text[:200]}")
                 self.done += 1
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
         return self

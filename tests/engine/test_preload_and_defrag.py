@@ -6,7 +6,6 @@ import pytest
 
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.llm import LLM
-from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noqa: F401
 
 BS = 4
 SYSTEM = list(range(10, 10 + 40))  # 40 tokens: 10 full blocks, of which 9 are reusable

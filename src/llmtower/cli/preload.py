@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     except AdminError as e:
         print(f"llmtower preload: error: {e}", file=sys.stderr)
         return 1
-    for e in res["errors"]:
-        line = pf.items[e["index"]].line
-        print(f"llmtower preload: error: {args.prompts_file}:{line}: {e['message']} (skipped)",
+    for bad in res["errors"]:
+        line = pf.items[bad["index"]].line
+        print(f"llmtower preload: error: {args.prompts_file}:{line}: {bad['message']} (skipped)",
               file=sys.stderr)
     if args.json:
         print(json.dumps(res))

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from llmtower.engine import memory_ops
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineDeadError
-from llmtower.engine.preload_file import parse_item
+from llmtower.engine.preload_file import PreloadItem, parse_item
 from llmtower.server.admin_kv_cache import parse_engine_id
 from llmtower.server.errors import APIError
 
@@ -80,21 +80,23 @@ def add_memory_routes(router: APIRouter, llm: AsyncLLM) -> None:
             raise APIError(f"{len(body.prompts)} prompts in one call; send at most "
                            f"{MAX_PRELOAD_PROMPTS} per call", 400, param="prompts")
         index = parse_engine_id(body.engine_id, llm.num_engines)
-        items, bad = [], []
+        items: list[tuple[int, PreloadItem]] = []
+        bad: list[tuple[int, str]] = []  # (index in the body, why)
         for i, obj in enumerate(body.prompts):
             try:
                 items.append((i, parse_item(obj, i)))
-            except ValueError as e:
-                bad.append({"index": i, "message": str(e)})
+            except ValueError as exc:
+                bad.append((i, str(exc)))
         statuses, errors = await guarded(memory_ops.preload(
             llm, [it for _, it in items], body.pin, index, body.cache_salt))
         # Back from positions among the readable items to positions in the body.
-        bad += [{"index": items[e.index][0], "message": e.message} for e in errors]
+        bad += [(items[err.index][0], err.message) for err in errors]
         for st in statuses:
-            for e in st.errors:
-                e.index = items[e.index][0]
-        bad.sort(key=lambda e: e["index"])
-        return answer({"engines": statuses, "errors": bad})
+            for err in st.errors:
+                err.index = items[err.index][0]
+        bad.sort()
+        return answer({"engines": statuses,
+                       "errors": [{"index": i, "message": m} for i, m in bad]})
 
 
 async def preload_at_start(llm: AsyncLLM, path: str, pin: bool) -> None:

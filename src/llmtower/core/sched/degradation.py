@@ -27,7 +27,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from llmtower.core.errors import QueueFullError
 
@@ -186,9 +186,9 @@ class DegradationController:
         if level >= 3 and old < 3:
             self.factor = max(self.config.shrink_floor, round(self.factor - self.config.shrink_step, 6))
             self.actions["shrink"] += 1
-        logger.warning("KV memory %s: degradation level %d (%s) -> %d (%s)",
+        logger.warning("KV memory %s: degradation level %d (%s) -> %d (%s): %s",
                        "pressure" if level > old else "recovered", old, LEVEL_NAMES[old],
-                       level, LEVEL_NAMES[level])
+                       level, LEVEL_NAMES[level], why)
 
     def _check_host(self) -> None:
         now = self.clock()
