@@ -231,6 +231,8 @@ class EngineArgs:
         parse_swap_space(self.swap_space)
         _check_field_values(self)
         parse_tenant_weights(self.tenant_weights)
+        if self.preload_prompts and not os.path.isfile(self.preload_prompts):
+            raise ValueError(f"--preload-prompts {self.preload_prompts!r}: no such file")
         if self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads} is invalid: use 0 (all cores) or more")
         if self.dp_sync_interval < 1:
