@@ -8,8 +8,10 @@ flood would), output tok/s and mean / p99 TTFT. On a 2-core machine N > 1 does n
 this shows is the overhead: each engine's cost of the sync (posting + waiting for the
 all-reduce, per collective = per --dp-sync-interval steps, in µs), the router's decision (µs
 per request), and the bytes on the wire per step (the output message of a step, the sync's
-tensor). A second part, with a shared system prompt, measures prefix affinity: prefix-cache
-hit rate with the router's affinity on and off.
+tensor). A second part, with shared system prompts, measures prefix affinity: prefix-cache
+hit rate with the router's affinity on and off — on the real engines and, side by side, in the
+simulator's cluster mode on the same trace (the same prompts, the same KV blocks per engine,
+the same router: ``--load-balancer coordinator``).
 """
 from __future__ import annotations
 
@@ -24,16 +26,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/serving.py's tokenizer
 
-import msgspec  # noqa: E402
+import msgspec
 
-from llmtower.bench.synthetic import synthetic_model_dir  # noqa: E402
-from llmtower.core.outputs import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
-from llmtower.core.sampling_params import SamplingParams  # noqa: E402
-from llmtower.distributed.dp_group import NUM_COLUMNS, DPStatus  # noqa: E402
-from llmtower.distributed.routing import EngineLoad, Router  # noqa: E402
-from llmtower.engine.args import EngineArgs  # noqa: E402
-from llmtower.engine.async_llm import AsyncLLM  # noqa: E402
-from serving import W1_VOCAB_SIZE, w1_tokenizer_dir  # noqa: E402
+from llmtower.bench.synthetic import synthetic_model_dir
+from llmtower.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.distributed.dp_group import NUM_COLUMNS, DPStatus
+from llmtower.distributed.routing import EngineLoad, Router
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.async_llm import AsyncLLM
+from llmtower.sim.report import build_result
+from llmtower.sim.simulator import SimConfig, Simulator
+from llmtower.sim.workload import TraceRequest
+from serving import W1_VOCAB_SIZE, w1_tokenizer_dir
 
 
 def router_cost_us(prompt_len: int, engines: int = 4, n: int = 20000) -> float:
@@ -90,6 +95,7 @@ async def run_once(args, n: int, prompts: list[list[int]], affinity: bool = True
     hit = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries \
         else 0.0
     syncs = [s.num_syncs for s in dp]
+    args.blocks_per_engine = stats.num_total_blocks // n
     sync_us = [s.sync_wait_seconds_total / s.num_syncs * 1e6 for s in dp if s.num_syncs]
     return dict(tok_s=tokens / wall, ttft_mean=statistics.mean(ttft) * 1e3,
                 ttft_p99=sorted(ttft)[int(0.99 * (len(ttft) - 1))] * 1e3, hit=hit,
@@ -133,10 +139,27 @@ def main() -> None:
           f" + 32 own), {n} engines:")
     print("| router | prefix-cache hit rate | output tok/s | mean TTFT ms |")
     print("|---|---|---|---|")
+    real = {}
     for affinity in (False, True):
-        r = asyncio.run(run_once(args, n, shared, affinity))
+        real[affinity] = r = asyncio.run(run_once(args, n, shared, affinity))
         print(f"| {'load + prefix affinity' if affinity else 'load only'} | {r['hit']:.1%} | "
               f"{r['tok_s']:.1f} | {r['ttft_mean']:.0f} |", flush=True)
+    print("\nthe same trace in the simulator (device 'cpu', model 'w1', "
+          f"{args.blocks_per_engine} KV blocks per replica; each simulated replica has a whole "
+          "machine, so only the hit rates compare):")
+    print("| router | real hit rate | simulated hit rate | simulated mean TTFT ms |")
+    print("|---|---|---|---|")
+    trace = [TraceRequest(arrival_time=0.0, prompt_len=len(ids), output_len=args.output_len,
+                          prompt_token_ids=ids, request_id=f"r{i}")
+             for i, ids in enumerate(shared)]
+    for affinity in (False, True):
+        cfg = SimConfig(engine=EngineArgs(num_gpu_blocks=args.blocks_per_engine),
+                        device="cpu", model="w1", num_replicas=n,
+                        load_balancer="coordinator" if affinity else "coordinator_no_prefix")
+        s = build_result(Simulator(cfg).run(trace)).summary
+        print(f"| {'load + prefix affinity' if affinity else 'load only'} | "
+              f"{real[affinity]['hit']:.1%} | {s['prefix_cache_hit_rate']:.1%} | "
+              f"{s['ttft_ms']['mean']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,8 +117,8 @@ class DPGroup:
     # Time the busy loop itself spent posting and waiting for collectives: the sync's cost.
     sync_wait_seconds_total: float = 0.0
     last_result: DPSyncResult | None = None
-    _pg: object | None = None
-    _store: object | None = None
+    _pg: Any = None  # torch.distributed.ProcessGroupGloo of the current epoch
+    _store: Any = None  # torch.distributed.TCPStore client of the head's store
     _pending: _Pending | None = None
     _steps_in_wave: int = 0
     _last_post_step: int = 0
@@ -147,7 +148,7 @@ class DPGroup:
         if self._store is None:
             self._store = dist.TCPStore(self.config.store_host, self.config.store_port, None,
                                         False, timeout=timeout, wait_for_workers=False)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.config.own_ip)]
         t0 = time.perf_counter()
@@ -240,7 +241,7 @@ class DPGroup:
         t0 = time.perf_counter()
         t = torch.zeros(len(self.members), NUM_COLUMNS, dtype=torch.int64)
         t[self.members.index(self.config.rank)] = torch.tensor(row, dtype=torch.int64)
-        work = self._pg.allreduce([t])  # type: ignore[union-attr]
+        work = self._pg.allreduce([t])
         self._pending = _Pending(work, t, t0)
         self._last_post_step = self._steps_in_wave
         self.sync_wait_seconds_total += time.perf_counter() - t0

@@ -47,7 +47,7 @@ def run_headless(engine_args: EngineArgs,
                 topo.address, topo.rpc_port)
     stopping = False
 
-    def _stop(signum: int, frame: Any) -> None:
+    def _stop(_signum: int, _frame: Any) -> None:
         nonlocal stopping
         stopping = True
 

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 
 from llmtower.distributed.dp_group import DPStatus
 from llmtower.engine.async_llm import AsyncLLM
+from llmtower.engine.dp_client import DPEngineCoreClient
 from llmtower.server.errors import APIError
 
 
@@ -17,13 +18,12 @@ def add_data_parallel_route(router: APIRouter, llm: AsyncLLM) -> None:
     @router.get("/data_parallel")
     async def data_parallel() -> dict[str, Any]:
         client = llm.client
-        health = getattr(client, "health", None)
-        if health is None:
+        if not isinstance(client, DPEngineCoreClient):
             raise APIError("this server runs one engine: start it with --data-parallel-size N "
                            "for a data-parallel view", 404, code="not_data_parallel")
-        statuses = await client.call_utility_each(  # type: ignore[union-attr]
-            "dp_status", result_type=DPStatus, timeout_s=10)
-        return {**health(), "routed": client.router.num_routed,  # type: ignore[union-attr]
-                "prefix_affinity_hits": client.router.num_affinity_hits,  # type: ignore[union-attr]
-                "wave_starts": client.num_wave_starts,  # type: ignore[union-attr]
+        statuses = await client.call_utility_each("dp_status", result_type=DPStatus,
+                                                  timeout_s=10)
+        return {**client.health(), "routed": client.router.num_routed,
+                "prefix_affinity_hits": client.router.num_affinity_hits,
+                "wave_starts": client.num_wave_starts,
                 "engines": [dataclasses.asdict(s) for s in statuses]}
