@@ -31,13 +31,22 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Says each flag's default, except where there is none (no "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="simulate the real scheduler at cluster scale on a "
                        "virtual clock, or calibrate the CPU profile")
     ssub = p.add_subparsers(dest="simulate_command", required=True)
     run_p = ssub.add_parser(
         "run", help="replay a trace or a synthetic workload through simulated replicas",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     add_run_args(run_p)
     run_p.set_defaults(handler=lambda a: run(a, run_p))
     cal_p = ssub.add_parser("calibrate", help="measure the real CPU executor and fit the "
