@@ -31,13 +31,15 @@ def test_serve_binds_to_localhost_by_default():
     assert args.api_key is None and args.request_timeout is None
 
 
-def test_help_says_each_default_once():
+@pytest.mark.parametrize("command", [["serve"], ["bench", "serve"], ["bench", "throughput"],
+                                     ["simulate", "run"], ["generate"]])
+def test_help_says_each_default_once(command):
     import io
     from contextlib import redirect_stdout
 
     out = io.StringIO()
     with redirect_stdout(out), pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--help"])
+        build_parser().parse_args([*command, "--help"])
     text = " ".join(out.getvalue().split())
     import re
     assert not re.search(r"\(default: [^)]*\) \(default:", text)
