@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 # The operator's knob (0 disables the caches); the library variables win when set explicitly.
 CAPACITY_ENV = "LLMTOWER_ONEDNN_CACHE_CAPACITY"
-# ~1 MiB of native memory per cached bfloat16 primitive once the heap settles: 64 bound the
-# caches near 75 MiB (128: ~130 MiB) and still hold the shapes of the last dozen steps.
-DEFAULT_CAPACITY = 64
+# ~1 MiB of native memory per cached bfloat16 primitive once the heap settles (64: ~75 MiB,
+# 128: ~130 MiB). A miss recompiles a primitive (~1 ms), so the default keeps the shapes of
+# the last ~50 steps: decode steps, whose token count moves slowly, nearly always hit.
+DEFAULT_CAPACITY = 256
 _LIBRARY_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY",
                  "LRU_CACHE_CAPACITY")
 TRIM_INTERVAL_S = 5.0
