@@ -249,9 +249,9 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
                         "outside a container) start with --host 0.0.0.0 (and set --api-key)")
         await server.serve(sockets=[sock])
     finally:
-        GracefulShutdown.uninstall(loop)
         llm.shutdown()
         sock.close()
+        GracefulShutdown.uninstall(loop)  # last: a signal while stopping changes nothing
     summary = shutdown.summary
     if summary is not None:
         logger.info("llmtower stopped on %s: %s; engine stopped", summary.signal_name,
