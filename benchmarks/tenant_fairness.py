@@ -98,8 +98,9 @@ def serve(model: str, policy: str, max_num_seqs: int, log: Path):
                           "--max-num-seqs", str(max_num_seqs), "--policy", policy], log).start()
 
 
-def simulate(num_requests: int) -> dict:
-    """The same shape in the simulator: saturated throughput first, then 2x of it."""
+def simulate(duration: float) -> dict:
+    """The same shape in the simulator: saturated throughput first, then 2x of it for the same
+    duration as the real run."""
     cmd = [sys.executable, "-m", "llmtower.cli.main", "simulate", "run", "--device", "cpu",
            "--model", "smollm2-135m", "--input-len", "fixed:24", "--output-len",
            f"fixed:{OUTPUT_LEN}", "--max-num-seqs", str(MAX_NUM_SEQS), "--disable-progress"]
@@ -115,7 +116,8 @@ def simulate(num_requests: int) -> dict:
     cap = sat["results"][0]["summary"]["request_throughput"] if "results" in sat else \
         sat["summary"]["request_throughput"]
     rows = {}
-    light_alone = run(["--num-requests", str(num_requests // 11 + 1), "--rate",
+    num_requests = max(22, round(2 * cap * duration))
+    light_alone = run(["--num-requests", str(max(2, num_requests // 11)), "--rate",
                        f"{2 * cap / 11:.4f}", "--tenants", "light:1"], "alone")
     rows["unloaded"] = _sim_p99(light_alone, ["light"])
     for policy in ("fcfs", "fair"):
@@ -173,7 +175,7 @@ def main() -> None:
     finally:
         server.stop()
     print(f"load average after: {os.getloadavg()}")
-    sim = None if args.no_sim else simulate(int(2 * 8 * args.duration) * 11)
+    sim = None if args.no_sim else simulate(args.duration)
     print(f"\n{'p99 TTFT (s)':<22}{'real heavy':>12}{'real light':>12}"
           + ("" if sim is None else f"{'sim heavy':>12}{'sim light':>12}"))
     for name in ("unloaded", "fcfs", "fair"):

@@ -7,15 +7,19 @@ decode step, a prefix-cache hit (which starts the count above zero) and a recomp
 preemption (which resets it to zero) are all the same thing.
 
 A step, in order:
-  1. running requests (decodes and ongoing chunked prefills), preempting the lowest-priority,
-     latest-arrived running request when KV blocks run out;
+  1. running requests (decodes and ongoing chunked prefills), preempting the policy's victim
+     (``policy.py``: lowest priority, then latest arrival and admission) when KV blocks run out;
   2. swapped requests back in, if nobody was preempted in (1);
   3. waiting requests, in policy order, if nobody was preempted and nothing is swapped out:
      prefix-cache lookup, allocation, a chunk that fits the remaining budget. One that does not
      fit is skipped (no head-of-line blocking) but counts how often it is overtaken; after
      ``max_bypass`` overtakes nobody behind it is admitted until it fits. Under ``priority`` a
-     waiting request may preempt strictly lower-priority running ones, at the KV limit and at
-     ``max_num_seqs``.
+     waiting request may preempt strictly lower-priority running ones (under ``fair``: another
+     tenant's more-served ones), at the KV limit and at ``max_num_seqs``.
+
+Blocks a prefill chunk fills are registered in the prefix cache when it is scheduled, so a
+request admitted later in the same step hits them. Outputs are matched to the request objects
+their step scheduled, never to ids alone (ids are reused; two steps may be in flight).
 """
 from __future__ import annotations
 
