@@ -218,3 +218,6 @@ def test_every_series_the_grafana_dashboard_queries_exists_on_a_live_server(serv
     assert len(queried) >= 20
     missing = sorted(queried - exposed)
     assert not missing, f"the dashboard queries series /metrics does not have: {missing}"
+    # The HTTP family labels requests by route template, as the instrumentator does.
+    assert re.search(r'http_requests_total\{handler="/v1/completions",method="POST",'
+                     r'status="2xx"\} [1-9]', text)
