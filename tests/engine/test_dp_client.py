@@ -47,7 +47,7 @@ def test_merged_stats_add_up_and_keep_only_the_latest_engines_steps():
 
 
 def test_threads_are_shared_out_unless_given(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("llmtower.executor.cpu_threads.available_cpus", lambda: 8)
     assert engine_threads(EngineArgs(model="fake", data_parallel_size=2)) == 4
     assert engine_threads(EngineArgs(model="fake", data_parallel_size=16)) == 1
     assert engine_threads(EngineArgs(model="fake", data_parallel_size=2, num_threads=3)) == 3

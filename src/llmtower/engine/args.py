@@ -132,8 +132,9 @@ class EngineArgs:
                            "channel) or 'int4' (groups of 32) quantized on load, 'gguf' (a .gguf "
                            "model's own Q4_0/Q4_1/Q8_0 blocks); see docs/performance.md",
                            choices=["none", "int8", "int4", "gguf"])
-    num_threads: int = _f(0, "torch CPU threads of each engine (0: the cores, shared out "
-                                 "between data-parallel engines)")
+    num_threads: int = _f(0, "torch CPU threads of each engine (0: the CPUs this process may "
+                                 "use, shared out between data-parallel engines, and fewer "
+                                 "while other processes compete for them)")
     attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
                                 "'torch' (pure PyTorch) or 'auto' (c where it builds)",
                                 choices=["auto", "c", "torch"])
@@ -282,7 +283,9 @@ class EngineArgs:
 
     @property
     def threads(self) -> int:
-        return self.num_threads or (os.cpu_count() or 1)
+        # The CPUs this process may use (affinity, cgroup quota), not the machine's count.
+        from llmtower.executor.cpu_threads import available_cpus
+        return self.num_threads or available_cpus()
 
     def create_scheduler_config(self, max_model_len: int,
                                 max_model_len_reason: str = "") -> SchedulerConfig:

@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import datetime
 import logging
-import os
 import time
 from typing import Any
 
@@ -55,7 +54,8 @@ def engine_threads(args: EngineArgs) -> int:
     """Torch threads of each engine: --num-threads as given, else the cores shared out."""
     if args.num_threads:
         return args.num_threads
-    return max(1, (os.cpu_count() or 1) // args.data_parallel_size)
+    from llmtower.executor.cpu_threads import available_cpus
+    return max(1, available_cpus() // args.data_parallel_size)
 
 
 def merge_stats(snapshots: list[SchedulerStats], latest: SchedulerStats) -> SchedulerStats:

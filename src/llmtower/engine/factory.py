@@ -100,7 +100,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     state_dict = load_model_weights(args.model, path, dtype, args.quantization)
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
                            attention_backend=args.attention_backend,
-                           quantization=args.quantization)
+                           quantization=args.quantization,
+                           adaptive_threads=0 if args.num_threads else args.threads)
     del state_dict
     if args.speculative is not None:
         from llmtower.spec_decode.setup import attach_spec_decode

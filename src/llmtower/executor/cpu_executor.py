@@ -5,6 +5,7 @@ import torch
 
 from llmtower.core.config import CacheConfig
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llmtower.executor.cpu_threads import ThreadGovernor
 from llmtower.executor.kv_cache import KVCache
 from llmtower.executor.model_runner import ModelRunner
 from llmtower.models.config import ModelConfig
@@ -19,7 +20,7 @@ class CPUExecutor:
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
                  seed: int = 0, attention_backend: str = "auto",
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", adaptive_threads: int = 0) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
         self.model_config = model_config
@@ -31,9 +32,13 @@ class CPUExecutor:
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
                                   attention_backend)
         self.num_steps = 0
+        # --num-threads left to the engine: up to this many threads, fewer under contention.
+        self.thread_governor = ThreadGovernor(adaptive_threads) if adaptive_threads else None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         so = scheduler_output
         self.kv_cache.swap_out(so.blocks_to_swap_out)
         self.kv_cache.swap_in(so.blocks_to_swap_in)
