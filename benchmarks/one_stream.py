@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
                    help="comma-separated dtype:quantization pairs; the first is the baseline")
     p.add_argument("--input-len", type=int, default=144)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0: the engine's default (all CPUs, fewer under contention)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -79,7 +80,8 @@ def main() -> None:
         for key, core in cores.items():
             results[key].append(one_request(core, prompt, args.output_len, f"r{r}-{key}"))
     load1 = os.getloadavg()[0]
-    print(f"\none stream, {args.input_len} in / {args.output_len} out, {args.threads} threads, "
+    print(f"\none stream, {args.input_len} in / {args.output_len} out, threads "
+          f"{args.threads or 'auto'}, "
           f"{args.rounds} rounds (median); load average {load0:.1f} -> {load1:.1f} "
           f"on {os.cpu_count()} CPUs")
     print("| dtype | quantization | prefill ms | decode tok/s | decode vs first |")

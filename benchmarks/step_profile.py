@@ -35,7 +35,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0: the engine's default (all CPUs, fewer under contention)")
     p.add_argument("--profile-rows", type=int, default=12)
     return p.parse_args()
 

@@ -81,11 +81,12 @@ class FusedOps:
         """Rotated q [T, H, D] (and k [T, Hkv, D] when ``want_k``); k and v written to their
         slots of ``kv_cache`` [2, blocks, block_size, Hkv, D]."""
         t = qkv.shape[0]
+        k_ptr = kv_cache.data_ptr()  # K, then V one stride(0) further: no indexing ops
         q = qkv.new_empty(t, num_heads, head_dim)
         k = qkv.new_empty(t, num_kv_heads, head_dim) if want_k else None
         self._rope(qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
                    cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                   kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), q.data_ptr(),
+                   k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(), q.data_ptr(),
                    None if k is None else k.data_ptr(), self._bf16, torch.get_num_threads())
         return q, k
 
