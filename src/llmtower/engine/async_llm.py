@@ -45,7 +45,8 @@ class ServerShuttingDownError(RuntimeError):
 
 
 class _Tracked:
-    """What the front end keeps per request in flight, next to the OutputProcessor's state."""
+    """What AsyncLLM keeps with each request in flight: its output queue and metrics state.
+    It lives in the OutputProcessor's registry as the request's ``client_state``."""
 
     __slots__ = ("queue", "engine_ids", "num_prompt_tokens", "last_output_time", "params",
                  "sample_tokens")
@@ -91,8 +92,6 @@ class AsyncLLM:
         self.ready: EngineReady | None = None
         self.output_processor: OutputProcessor | None = None
         self.input_processor: InputProcessor | None = None
-        self._requests: dict[str, _Tracked] = {}
-        self._engine_to_request: dict[str, str] = {}
         self._handler: asyncio.Task | None = None
         # Tokenizing and chat rendering run here, never on the event loop (issue 11).
         self.off_loop = OffLoopExecutor()
@@ -241,16 +240,15 @@ class AsyncLLM:
         arrival = time.monotonic()
         assert self.input_processor is not None
         params = self.input_processor.with_extra_eos(sampling_params)
+        tracked = _Tracked([], len(prompt_token_ids),
+                           RequestParams(n=sampling_params.n,
+                                         max_tokens=sampling_params.max_tokens))
         engine_reqs = self.output_processor.add_request(
             request_id, prompt, list(prompt_token_ids), params,
             output_kind=RequestOutputKind.DELTA, eos_token_id=self.input_processor.eos_token_id,
-            arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant)
-        tracked = _Tracked([r.request_id for r in engine_reqs], len(prompt_token_ids),
-                           RequestParams(n=sampling_params.n,
-                                         max_tokens=sampling_params.max_tokens))
-        self._requests[request_id] = tracked
-        for eid in tracked.engine_ids:
-            self._engine_to_request[eid] = request_id
+            arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
+            client_state=tracked)
+        tracked.engine_ids = [r.request_id for r in engine_reqs]
         finished = False
         try:
             for req in engine_reqs:
@@ -277,7 +275,6 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._forget(request_id)
             if not finished:
                 self._abort(request_id)
 
@@ -286,12 +283,12 @@ class AsyncLLM:
         waiting ``generate()`` raises ServerShuttingDownError(reason). Returns how many
         requests were aborted."""
         self._refusing = reason
-        request_ids = list(self._requests)
-        for request_id in request_ids:
-            tracked = self._requests[request_id]
-            self._abort(request_id)
-            tracked.queue.put_nowait(ServerShuttingDownError(reason))
-        return len(request_ids)
+        assert self.output_processor is not None
+        parents = list(self.output_processor.parents.values())
+        for parent in parents:
+            self._abort(parent.request_id)
+            parent.client_state.queue.put_nowait(ServerShuttingDownError(reason))
+        return len(parents)
 
     def _abort(self, request_id: str, count: bool = True) -> None:
         """Forget a request here and free its KV blocks in the engine, without awaiting."""
@@ -304,15 +301,15 @@ class AsyncLLM:
                     self.metrics.record_finished("abort", engine)
             self.client.abort_requests_nowait(engine_ids)
 
+    def _in_flight(self) -> list[_Tracked]:
+        """The state of every request in flight (from the OutputProcessor's registry)."""
+        if self.output_processor is None:
+            return []
+        return [p.client_state for p in self.output_processor.parents.values()]
+
     def _engine_of(self, engine_request_id: str) -> int:
         """The data-parallel engine serving a request (0 with one engine)."""
         return self.client.engine_of(engine_request_id) or 0
-
-    def _forget(self, request_id: str) -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is not None:
-            for eid in tracked.engine_ids:
-                self._engine_to_request.pop(eid, None)
 
     # ------------------------------------------------------------------ the output handler
     async def _output_handler(self) -> None:
@@ -324,7 +321,7 @@ class AsyncLLM:
                 else:
                     self._on_outputs(item)
         except EngineDeadError as e:
-            for tracked in list(self._requests.values()):
+            for tracked in self._in_flight():
                 tracked.queue.put_nowait(EngineDeadError(str(e)))
         except asyncio.CancelledError:
             raise
@@ -332,7 +329,7 @@ class AsyncLLM:
             logger.exception("the output handler failed")
             err = EngineDeadError("the server's output handler failed; see the server log")
             self.client.mark_dead(str(err))
-            for tracked in list(self._requests.values()):
+            for tracked in self._in_flight():
                 tracked.queue.put_nowait(err)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
@@ -354,10 +351,7 @@ class AsyncLLM:
         if processed.reqs_to_abort:  # stop strings: the engine must stop them now
             self.client.abort_requests_nowait(processed.reqs_to_abort)
         now = time.monotonic()
-        for ro in processed.request_outputs:
-            tracked = self._requests.get(ro.request_id)
-            if tracked is None:
-                continue
+        for ro, tracked in zip(processed.request_outputs, processed.client_states):
             num_new = sum(len(c.token_ids) for c in ro.outputs)
             metrics.record_generation_tokens(num_new, engine)
             for c in ro.outputs:
@@ -381,9 +375,10 @@ class AsyncLLM:
             tracked.queue.put_nowait(ro)
 
     def _on_request_error(self, err: RequestError) -> None:
-        request_id = self._engine_to_request.get(err.request_id)
+        assert self.output_processor is not None
+        parent = self.output_processor.parent_of(err.request_id)
         self.metrics.record_rejection(err.kind)
-        if request_id is None:
+        if parent is None:
             return
         exc: Exception
         if err.kind == "queue_full":
@@ -394,10 +389,8 @@ class AsyncLLM:
             exc = AdmissionError(err.message)
         else:
             exc = ValueError(err.message)
-        tracked = self._requests.get(request_id)
-        if tracked is not None:
-            tracked.queue.put_nowait(exc)
-        self._abort(request_id, count=False)  # the other samples of an n > 1 request
+        parent.client_state.queue.put_nowait(exc)
+        self._abort(parent.request_id, count=False)  # the other samples of an n > 1 request
 
     # ------------------------------------------------------------------ engine utilities
     async def ping(self, timeout_s: float = 5.0) -> PingResult:
@@ -418,7 +411,8 @@ class AsyncLLM:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, not {priority!r}")
         # The API's id; a completion with several prompts runs them as f"{id}-{i}".
-        found = [t for rid, t in self._requests.items()
+        assert self.output_processor is not None
+        found = [p.client_state for rid, p in self.output_processor.parents.items()
                  if rid == request_id or rid.startswith(request_id + "-")]
         if not found:
             raise KeyError(request_id)

@@ -27,14 +27,20 @@ class ProcessedOutputs:
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
+    # The client_state of each output's request, in the same order (AsyncLLM's queue and
+    # per-request metrics state; None offline).
+    client_states: list[Any] = field(default_factory=list)
 
 
 class ParentRequest:
-    """Owns one client request: its prompt, output kind, and its ``n`` sequences."""
+    """Owns one client request: its prompt, output kind, its ``n`` sequences, and what the
+    front end keeps with it (``client_state``: AsyncLLM's output queue and metrics state)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 output_kind: RequestOutputKind, children: list[RequestState]) -> None:
+                 output_kind: RequestOutputKind, children: list[RequestState],
+                 client_state: Any = None) -> None:
         self.request_id = request_id
+        self.client_state = client_state
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.output_kind = output_kind
@@ -66,14 +72,15 @@ class ParentRequest:
 
 class OutputProcessor:
     """Owns the client-side state of every request in flight: detokenizers, stop strings,
-    the fan-out of ``n > 1`` requests, and what each client was already sent."""
+    the fan-out of ``n > 1`` requests, and what each client was already sent. It is the front
+    end's one registry of requests (as vLLM's): the offline LLM and AsyncLLM keep none of
+    their own, AsyncLLM attaches its per-request state as ``client_state``."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._decode = make_decode_fn(tokenizer)
-        self.parents: dict[str, ParentRequest] = {}
-        self.request_states: dict[str, RequestState] = {}  # child (engine) id -> state
-        self._parent_of: dict[str, ParentRequest] = {}
+        self.parents: dict[str, ParentRequest] = {}  # client request id -> request
+        self.request_states: dict[str, RequestState] = {}  # child (engine) id -> sequence
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -81,7 +88,7 @@ class OutputProcessor:
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                     eos_token_id: int | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    tenant: str = "") -> list[EngineCoreRequest]:
+                    tenant: str = "", client_state: Any = None) -> list[EngineCoreRequest]:
         """Register a request; return the ``EngineCoreRequest``s the caller must send to the
         engine: one, or ``n`` children (ids ``f"{request_id}-{i}"``, seed ``seed + i``)."""
         n = sampling_params.n if n is None else n
@@ -107,12 +114,22 @@ class OutputProcessor:
             engine_requests.append(EngineCoreRequest(
                 cid, list(prompt_token_ids), params, eos_token_id=eos_token_id,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant))
-        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), output_kind, states)
+        parent = ParentRequest(request_id, prompt, list(prompt_token_ids), output_kind, states,
+                               client_state)
         self.parents[request_id] = parent
         for st in states:
+            st.parent = parent
             self.request_states[st.request_id] = st
-            self._parent_of[st.request_id] = parent
         return engine_requests
+
+    def get_parent(self, request_id: str) -> ParentRequest | None:
+        """The client request ``request_id`` while it is in flight."""
+        return self.parents.get(request_id)
+
+    def parent_of(self, engine_request_id: str) -> ParentRequest | None:
+        """The client request an engine request (one sample) belongs to, while in flight."""
+        st = self.request_states.get(engine_request_id)
+        return st.parent if st is not None else None
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
         """Forget client requests (e.g. the client went away); return the engine ids of
@@ -124,7 +141,6 @@ class OutputProcessor:
                 continue
             for st in parent.children:
                 if self.request_states.pop(st.request_id, None) is not None:
-                    self._parent_of.pop(st.request_id, None)
                     st.finish_aborted()
                     to_abort.append(st.request_id)
         return to_abort
@@ -147,16 +163,16 @@ class OutputProcessor:
                 continue  # aborted here while the engine was still running it
             if st.update(out):
                 result.reqs_to_abort.append(st.request_id)
-            parent = self._parent_of[st.request_id]
+            parent = st.parent
             if st.finished:
                 del self.request_states[st.request_id]
-                del self._parent_of[st.request_id]
                 parent.num_unfinished -= 1
             touched[parent.request_id] = parent
         for parent in touched.values():
             ro = parent.make_output()
             if ro is not None:
                 result.request_outputs.append(ro)
+                result.client_states.append(parent.client_state)
             if parent.finished:
                 del self.parents[parent.request_id]
         return result

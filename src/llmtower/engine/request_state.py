@@ -3,7 +3,8 @@ far, its stop strings and logprobs, and what has already been sent to the client
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -24,6 +25,7 @@ class RequestState:
                  output_kind: RequestOutputKind, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.index = index
+        self.parent: Any = None  # its client request (a ParentRequest), set by the OutputProcessor
         self.output_kind = output_kind
         self.min_tokens = sampling_params.min_tokens
         self.detokenizer = IncrementalDetokenizer(decode, prompt_token_ids,
@@ -74,6 +76,7 @@ class RequestState:
             final = j == last
             piece = msgspec.structs.replace(
                 out, new_token_ids=[tok], new_logprobs=lps[j:j + 1] if lps else lps,
+                new_prompt_logprobs=out.new_prompt_logprobs if j == 0 else None,
                 finish_reason=out.finish_reason if final else None,
                 stop_reason=out.stop_reason if final else None,
                 metrics=out.metrics if final else None)
