@@ -212,3 +212,21 @@ def test_offline_llm_refuses_data_parallel():
 
     with pytest.raises(ValueError, match="llmtower serve --data-parallel-size"):
         LLM(model="anything", data_parallel_size=2)
+
+
+def test_one_registry_holds_each_request_in_flight_and_nothing_after(tokenizer):
+    async def body(llm):
+        stream = llm.generate(None, [5, 6, 7], SamplingParams(n=2, max_tokens=50,
+                                                              ignore_eos=True), "reg")
+        await anext(stream)
+        op = llm.output_processor
+        parent = op.get_parent("reg")
+        in_flight = (parent is not None and op.parent_of("reg-1") is parent
+                     and parent.client_state.engine_ids == ["reg-0", "reg-1"]
+                     and llm.num_requests_in_flight == 1)
+        await stream.aclose()  # the client goes away: the request is forgotten everywhere
+        return in_flight, dict(op.parents), dict(op.request_states), await llm.get_stats()
+
+    in_flight, parents, states, stats = _run(tokenizer, body)
+    assert in_flight and parents == {} and states == {}
+    assert stats.num_running_reqs == 0
