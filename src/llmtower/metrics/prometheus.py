@@ -208,8 +208,14 @@ class EngineSeries:
             self.fragmentation(kind)
         self.queue_time_window = SlidingWindowQuantile(0.99, QUEUE_TIME_P99_WINDOW_S)
         self.queue_time_p99.set_function(self.queue_time_window.value)
-        self.last_totals: dict[str, int] = {}
+        self.last_totals: dict[str, float] = {}
         self.last_stats: SchedulerStats | None = None
+
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a name ENGINE_METRICS does not define (the children are set in
+        # __init__); it also tells type checkers that those attributes exist.
+        raise AttributeError(f"no engine series {name!r}: add a row to ENGINE_METRICS")
 
 
 class _Partial:
