@@ -157,3 +157,23 @@ def test_sparklines_scale_to_the_history():
     assert sparkline([]) == ""
     assert sparkline([0, 4, 8]) == "▁▅█"
     assert sparkline([0, 0]) == "▁▁"
+
+
+@pytest.mark.parametrize("command", [["monitor"], ["diag", "memory"]])
+def test_every_option_of_the_operator_commands_has_a_help_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in (["--url", "--api-key", "--interval", "--metric", "--once", "--json"]
+                 if command == ["monitor"] else
+                 ["--url", "--api-key", "--engine-id", "--visualize", "--output", "--input"]):
+        assert flag in out, flag
+    from llmtower.cli.main import build_parser
+    parser = build_parser()
+    for name in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.option_strings
