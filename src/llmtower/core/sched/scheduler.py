@@ -412,8 +412,8 @@ class Scheduler:
         if self.policy.charge is not None:
             self.policy.charge(req, n)
         num_tokens = len(req.all_token_ids)
-        if self.kv.enable_prefix_caching:
-            self._cache_scheduled_blocks(req, req.num_computed_tokens + n, step)
+        if self.kv.enable_prefix_caching:  # draft tokens (past num_tokens) are never cached
+            self._cache_scheduled_blocks(req, min(req.num_computed_tokens + n, num_tokens), step)
         if req.num_computed_tokens + 1 == num_tokens > req.num_prompt_tokens:
             if n > 1:  # a decode with draft tokens (lookahead): verified in one pass
                 step.spec[rid] = req.spec_token_ids[:n - 1]
