@@ -141,7 +141,7 @@ def test_factory_sizes_the_kv_cache_from_memory(tiny_llama_dir, model):
     cfg = model[0]
     per_block = bytes_per_block(cfg, 16, torch.float32)
     args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory=str(per_block * 10 + 5),
-                      swap_space=str(per_block * 3), num_threads=1)
+                      swap_space=f"{per_block * 3}B", num_threads=1)  # bare numbers are GiB
     assert kv_cache_blocks(args, cfg, torch.float32) == (10, 0)  # no swap space unless swapping
     args.preemption_mode = "swap"
     assert kv_cache_blocks(args, cfg, torch.float32) == (10, 3)
