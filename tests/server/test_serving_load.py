@@ -109,8 +109,9 @@ def test_a_stream_that_hangs_up_is_aborted(tiny_server):
 
 def test_a_plain_request_whose_client_gives_up_is_aborted(tiny_server):
     before = _num_aborted(tiny_server)
-    # 32 samples of 480 tokens: 480 steps of a batch of 32, far longer than the client waits.
-    body = {"model": MODEL, "prompt": "give up", "max_tokens": 480, "n": 32, "ignore_eos": True}
+    # 16 samples (--max-n) of 480 tokens: 480 steps of a batch of 16, far longer than the
+    # client waits.
+    body = {"model": MODEL, "prompt": "give up", "max_tokens": 480, "n": 16, "ignore_eos": True}
     try:
         httpx.post(f"{tiny_server.base_url}/v1/completions", json=body, timeout=0.3)
     except httpx.TimeoutException:

