@@ -171,3 +171,19 @@ def test_engine_runs_a_gguf_kept_quantized(q4_gguf):
     # The same prompt alone gives the same tokens as in the batch.
     alone = llm.generate([[9, 450, 33, 1, 2, 101]], sp, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_quantized_output_layer_gives_the_same_logits_alone_and_in_a_large_batch(tiny_llama_dir):
+    from llmtower.models.llama import LM_HEAD_QUANTIZED_MAX_ROWS
+
+    cfg = load_model_config(tiny_llama_dir)
+    model = LlamaForCausalLM(cfg, dict(load_state_dict(tiny_llama_dir)), torch.bfloat16, 64,
+                             quantization="int4")
+    torch.manual_seed(0)
+    x = torch.randn(LM_HEAD_QUANTIZED_MAX_ROWS + 8, cfg.hidden_size).to(torch.bfloat16)
+    alone = torch.cat([model._logits(x[i:i + 1]) for i in range(len(x))])  # int8 kernel
+    together = model._logits(x)  # the float GEMM over the int8 matrix's exact values
+    # Both round to bfloat16: equal up to a rounding step where the sums' order differs.
+    torch.testing.assert_close(together, alone, rtol=2 ** -7, atol=1e-5)
+    assert (together == alone).float().mean() > 0.9
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
