@@ -158,3 +158,22 @@ def test_jump_forward_appends_forced_tokens_and_stays_valid(tokenizer):
     assert not errors and manager.num_forced_tokens > 0
     for toks in out.values():
         _check_schema(text_of(tokenizer, toks))
+
+
+def test_loading_the_tokenizer_does_not_count_against_the_compile_timeout(tokenizer):
+    import time
+
+    from llmtower.structured_output.backend_xgrammar import XgrammarBackend
+    from llmtower.structured_output.manager import (StructuredOutputManager,
+                                                    StructuredOutputsConfig)
+
+    def slow_factory():
+        time.sleep(0.3)  # a slow first load (a big tokenizer on a busy machine)
+        return XgrammarBackend(tokenizer, 512, [EOS])
+
+    manager = StructuredOutputManager(StructuredOutputsConfig(compile_timeout_s=0.1),
+                                      slow_factory)
+    engine = make_engine(tokenizer, manager=manager)
+    engine.scheduler.add_request(request("first", PROMPTS[0], {"choice": ["a", "b"]}))
+    out, finish, errors = run(engine)
+    assert not errors and finish == {"first": "stop"}

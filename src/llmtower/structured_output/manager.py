@@ -102,8 +102,9 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile(self, entry: _Compile, params: StructuredOutputsParams) -> Any:
+        backend = self.backend  # the first time: loads the tokenizer (not the grammar's fault)
         entry.started = self.clock()
-        return self.backend.compile(params)
+        return backend.compile(params)
 
     def add_request(self, req: Any) -> bool:
         """Start (or share) the compile of ``req``'s grammar; True if it is ready now. Raises
@@ -152,7 +153,11 @@ class StructuredOutputManager:
                 failed.append((req, str(e)))
                 continue
             started = state.compile.started
-            if (started and now - started > timeout) or now - state.submitted > 3 * timeout:
+            # Timed from the compile's start; a compile still queued behind others fails
+            # after 3 timeouts, but never while the tokenizer itself is still loading.
+            queued_too_long = (not started and self._backend is not None
+                               and now - state.submitted > 3 * timeout)
+            if (started and now - started > timeout) or queued_too_long:
                 failed.append((req, (
                     f"structured_outputs: the grammar did not compile within {timeout:g} s "
                     "(--structured-outputs-compile-timeout); simplify the schema or grammar")))
