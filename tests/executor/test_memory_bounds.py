@@ -2,11 +2,12 @@
 heap pages to the OS, so new per-step token counts do not grow it without bound."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from llmtower.executor.memory_bounds import (CAPACITY_ENV, DEFAULT_CAPACITY, HeapTrimmer,
-                                             bound_native_caches)
+from llmtower.executor.memory_bounds import (_LIBRARY_ENVS, CAPACITY_ENV, DEFAULT_CAPACITY,
+                                             TRIM_ENV, HeapTrimmer, bound_native_caches)
 
 
 def test_caps_both_caches_unless_the_operator_set_them():
@@ -52,7 +53,10 @@ print((p.memory_info().rss - mid) / 2**20)
 
 
 def _growth(bound: bool) -> float:
-    out = subprocess.run([sys.executable, "-c", f"BOUND = {bound}\n" + PROBE],
+    # A clean environment: a runner built earlier in this process has set the caps here.
+    env = {k: v for k, v in os.environ.items()
+           if k not in (CAPACITY_ENV, *_LIBRARY_ENVS, TRIM_ENV)}
+    out = subprocess.run([sys.executable, "-c", f"BOUND = {bound}\n" + PROBE], env=env,
                          capture_output=True, text=True, timeout=300, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
