@@ -114,6 +114,7 @@ class CacheConfig:
       block copies per step).
     - ``max_pinned_blocks``: most cached blocks that preloaded prefixes may pin against
       eviction (0: a quarter of ``num_blocks``).
+    - ``cache_dtype``: the KV storage dtype (``--kv-cache-dtype``; ``executor/kv_quant.py``).
     """
 
     block_size: int = 16
@@ -124,9 +125,12 @@ class CacheConfig:
     fragmentation_threshold: float = 0.5
     max_block_moves_per_step: int = 64
     max_pinned_blocks: int = 0
+    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's), bfloat16 or int8
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
+        _require(self.cache_dtype in ("auto", "bfloat16", "int8"), "kv_cache_dtype",
+                 self.cache_dtype, "one of 'auto', 'bfloat16', 'int8'")
         _require(self.num_blocks >= 1, "num_blocks", self.num_blocks, "an integer >= 1")
         _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", self.num_cpu_blocks,
                  "an integer >= 0")

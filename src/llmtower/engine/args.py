@@ -141,6 +141,10 @@ class EngineArgs:
     max_model_len: int = _f(0, "longest sequence (prompt + output), e.g. 4096, 4k or 4K; 0: the "
                             "model's own, capped at 8192", type=parse_token_count)
     block_size: int = _f(16, "tokens per KV-cache block")
+    kv_cache_dtype: str = _f("auto", "KV-cache storage: 'auto' (the model's dtype), 'bfloat16', "
+                             "or 'int8' (a float32 scale per token and KV head: ~3.8x the "
+                             "float32 tokens in the same --kv-cache-memory); docs/memory.md",
+                             choices=["auto", "bfloat16", "int8"])
     kv_cache_memory: str = _f("1GiB", "memory for the KV cache, e.g. 2GiB or a byte count "
                               "(ignored if --num-gpu-blocks is set)",
                               aliases=["--kv-cache-memory-bytes"])
@@ -313,7 +317,8 @@ class EngineArgs:
                            kv_allocator=self.kv_allocator,  # type: ignore[arg-type]
                            fragmentation_threshold=self.fragmentation_threshold,
                            max_block_moves_per_step=self.max_block_moves_per_step,
-                           max_pinned_blocks=self.max_pinned_blocks)
+                           max_pinned_blocks=self.max_pinned_blocks,
+                           cache_dtype=self.kv_cache_dtype)
 
     # ------------------------------------------------------------------ CLI
     @classmethod

@@ -14,6 +14,7 @@ from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
+from llmtower.executor.kv_quant import resolve_kv_cache_dtype
 from llmtower.models.config import ModelConfig
 from llmtower.models.loader import load_model_config, resolve_model_path
 from llmtower.models.quant_loader import load_model_weights
@@ -56,7 +57,9 @@ def resolve_max_model_len(requested: int, config: ModelConfig) -> int:
 def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(device KV blocks, CPU swap blocks) from --num-gpu-blocks / --kv-cache-memory and
     --swap-space (swap space only under preemption_mode=swap)."""
-    per_block = bytes_per_block(config, args.block_size, dtype)
+    # --kv-cache-dtype: a smaller element (and int8's scales) sizes more blocks.
+    per_block = bytes_per_block(config, args.block_size,
+                                resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
     if args.num_gpu_blocks:
         num_blocks = args.num_gpu_blocks
     else:

@@ -7,6 +7,7 @@ from llmtower.core.config import CacheConfig
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmtower.executor.cpu_threads import ThreadGovernor
 from llmtower.executor.kv_cache import KVCache
+from llmtower.executor.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.model_runner import ModelRunner
 from llmtower.models.config import ModelConfig
 from llmtower.models.llama import LlamaForCausalLM
@@ -28,7 +29,8 @@ class CPUExecutor:
         self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len,
                                       quantization)
         self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
-                                cache_config.block_size, dtype)
+                                cache_config.block_size, dtype,
+                                resolve_kv_cache_dtype(cache_config.cache_dtype, dtype))
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
                                   attention_backend)
         self.num_steps = 0

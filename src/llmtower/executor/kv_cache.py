@@ -22,14 +22,15 @@ import sys
 
 import torch
 
+from llmtower.executor.kv_quant import bytes_per_token_head, row_width
 from llmtower.models.config import ModelConfig
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Memory of one KV block across all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    """Memory of one KV block across all layers (K and V) stored in ``dtype`` (int8: with its
+    per-row scales, ``kv_quant.py``)."""
     return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
-            * config.head_dim * elem)
+            * bytes_per_token_head(config.head_dim, dtype))
 
 
 class KVCache:
@@ -37,22 +38,28 @@ class KVCache:
     swaps and copies listed in a ``SchedulerOutput``."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, num_cpu_blocks: int,
-                 block_size: int, dtype: torch.dtype) -> None:
+                 block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+                 ) -> None:
+        # kv_dtype (--kv-cache-dtype): the storage dtype, default the model's; int8 packs a
+        # scale behind every row (kv_quant.py), so swaps and moves copy the scales too.
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block; "
                              "give it more memory (--kv-cache-memory) or set --num-gpu-blocks")
-        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (2, num_blocks, block_size, config.num_key_value_heads,
+                 row_width(config.head_dim, kv_dtype))
         # Zeroed, not empty: attention reads padding slots (masked out) and they must hold
         # finite numbers, since 0 * NaN would poison the weighted sum of values.
-        self.kv_caches = [_empty_on_huge_pages(shape, dtype).zero_()
+        self.kv_caches = [_empty_on_huge_pages(shape, kv_dtype).zero_()
                           for _ in range(config.num_hidden_layers)]
         cpu_shape = (2, num_cpu_blocks) + shape[2:]
         # Swap blocks are only read after they were written, so they may start uninitialized.
-        self.swap_caches = [torch.empty(cpu_shape, dtype=dtype)
+        self.swap_caches = [torch.empty(cpu_shape, dtype=kv_dtype)
                             for _ in range(config.num_hidden_layers)] if num_cpu_blocks else []
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) pairs: copy device blocks into swap space."""

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtower.executor.kv_quant import read_rows, write_slots
 from llmtower.kernels.paged_attention import check_tables, kernel_error, paged_decode
+from llmtower.kernels.paged_attention_int8 import paged_decode_kv
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +170,12 @@ class PagedAttention:
         hkv, d = self.num_kv_heads, self.head_dim
         if not kv_written:
             assert k is not None
-            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+            if kv_cache.dtype == self.dtype:
+                kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+                kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+            else:  # --kv-cache-dtype: quantized (int8) or a narrower float (kv_quant.py)
+                write_slots(kv_cache[0], meta.slot_mapping, k)
+                write_slots(kv_cache[1], meta.slot_mapping, v)
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         if meta.decodes is not None:
@@ -177,9 +183,13 @@ class PagedAttention:
             if not db.checked:  # every layer's cache has the same blocks: once per step
                 check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
                 db.checked = True
-            paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
-                         out[:m].view(m, self.num_heads, d), self.scale, torch.get_num_threads(),
-                         tables_checked=True)
+            if kv_cache.dtype == self.dtype:
+                paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
+                             out[:m].view(m, self.num_heads, d), self.scale,
+                             torch.get_num_threads(), tables_checked=True)
+            else:  # --kv-cache-dtype int8 / bfloat16 under a float32 model
+                paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens,
+                                out[:m].view(m, self.num_heads, d), self.scale)
         if meta.decode_groups:
             q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:
@@ -198,6 +208,9 @@ class PagedAttention:
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         n = block_ids.numel()
+        if kv_cache.dtype != self.dtype:  # --kv-cache-dtype: gather the stored rows, widen
+            return (read_rows(torch.index_select(kv_cache[0], 0, block_ids), self.dtype),
+                    read_rows(torch.index_select(kv_cache[1], 0, block_ids), self.dtype))
         if n <= self.k_buf.shape[0]:
             kb = torch.index_select(kv_cache[0], 0, block_ids, out=self.k_buf[:n])
             vb = torch.index_select(kv_cache[1], 0, block_ids, out=self.v_buf[:n])

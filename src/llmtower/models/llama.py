@@ -12,6 +12,7 @@ matrix (one GEMM); SiLU and the gate * up product run inside the up projection's
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,7 @@ class LlamaForCausalLM:
     """Owns the weights of a Llama-family model and its rotary tables; ``forward`` runs one
     step's flat batch through every layer and returns logits for the rows asked for."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor | QuantizedTensor],
+    def __init__(self, config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
         if quantization not in ("none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization={quantization!r} is not one of none, int8, int4, gguf")
@@ -132,29 +133,34 @@ class LlamaForCausalLM:
         # the weights.
         o_bias = take(p + "self_attn.o_proj.bias", (c.hidden_size,)) \
             if take.has(p + "self_attn.o_proj.bias") else None
-        gate = take.linear(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
-        up = take.linear(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
-        fused_gate_up = None
-        if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)):
-            fused_gate_up = _fuse([gate, up])
-            gate = up = None
+        gate_w = take.linear(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        up_w = take.linear(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        gate = up = fused_gate_up = None
+        if isinstance(gate_w, torch.Tensor) and isinstance(up_w, torch.Tensor):
+            gate, up = gate_w, up_w
+        else:
+            fused = _fuse([gate_w, up_w])
+            assert isinstance(fused, QuantizedLinear)
+            fused_gate_up = fused
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=_fuse([q, k, v]), qkv_bias=qkv_bias,
             o_proj=_fuse([take.linear(p + "self_attn.o_proj.weight", (c.hidden_size, h * hd))]),
             o_bias=o_bias,
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate=gate, up=up,  # type: ignore[arg-type]
+            gate=gate, up=up,
             down=_fuse([take.linear(p + "mlp.down_proj.weight",
                                     (c.hidden_size, c.intermediate_size))]),
-            gate_up=fused_gate_up)  # type: ignore[arg-type]
+            gate_up=fused_gate_up)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: PagedAttention, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab]."""
-        if self.fused is not None and self.layers:
+        # The fused RoPE kernel writes K/V in the model's dtype: a cache of another
+        # (--kv-cache-dtype int8/bfloat16) takes the path where attention stores them.
+        if self.fused is not None and self.layers and kv_caches[0].dtype == self.dtype:
             return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
                                        logits_indices)
         h = F.embedding(input_ids, self.embed)
@@ -247,8 +253,9 @@ class LlamaForCausalLM:
 def _fuse(parts: list[torch.Tensor | QuantizedTensor]) -> Weight:
     """Matrices stacked along their rows: one float matrix, or one packed quantized one (a
     float part beside quantized ones is quantized alike)."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+    tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(tensors) == len(parts):
+        return torch.cat(tensors).contiguous() if len(tensors) > 1 else tensors[0]
     kind = next(p.kind for p in parts if isinstance(p, QuantizedTensor))
     qs = [p if isinstance(p, QuantizedTensor) else quantize(p, kind) for p in parts]
     if len({(p.kind, p.group_size) for p in qs}) > 1:
@@ -260,7 +267,7 @@ class _Taker:
     """Takes named tensors out of a state dict with a clear error for a missing or misshapen
     one; ``linear`` also quantizes float matrices when asked (``quantize`` int8 / int4)."""
 
-    def __init__(self, state_dict: dict[str, torch.Tensor | QuantizedTensor], dtype: torch.dtype,
+    def __init__(self, state_dict: Mapping[str, torch.Tensor | QuantizedTensor], dtype: torch.dtype,
                  quantize: str | None = None) -> None:
         self.state_dict = state_dict
         self.dtype = dtype

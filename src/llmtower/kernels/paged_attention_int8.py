@@ -1,0 +1,84 @@
+"""Python side of decode attention over a KV cache stored in another dtype than the model's
+(``--kv-cache-dtype``): the int8 C kernel (``paged_attention_int8.c``) for int8 caches, and the
+bfloat16 kernel of ``paged_attention.py`` for a bfloat16 cache under a float32 model.
+
+As in ``paged_attention.py``, everything the C code trusts is checked here first.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from llmtower.kernels.build import load
+from llmtower.kernels.paged_attention import DTYPES, check_tables, paged_decode
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _fn() -> ctypes._CFuncPtr:
+    f = load("paged_attention_int8").paged_decode_int8
+    f.restype = ctypes.c_int
+    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return f
+
+
+def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                      scale: float, num_threads: int, tables_checked: bool = False
+                      ) -> torch.Tensor:
+    """``paged_decode`` over int8 caches [num_blocks, block_size, Hkv, D + 4] (values, then
+    each row's float32 scale; ``executor/kv_quant.py``). q [n, H, D] and out [n, H, D] float32
+    or bfloat16 (one dtype)."""
+    n, h, d = q.shape
+    nb, bs, hkv, w = k_cache.shape
+    if w != d + 4 or h % hkv or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode_int8: q {tuple(q.shape)} does not fit the int8 cache "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
+        raise TypeError("paged_decode_int8: the caches must be int8")
+    if q.dtype not in DTYPES or out.dtype != q.dtype:
+        raise TypeError(f"paged_decode_int8: q and out must share float32 or bfloat16, got "
+                        f"{q.dtype} and {out.dtype}")
+    if q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError("paged_decode_int8: q's heads and head dims must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_decode_int8: the caches and the output must be contiguous")
+    if tuple(out.shape) != (n, h, d):
+        raise ValueError(f"paged_decode_int8: out is {tuple(out.shape)}, expected {(n, h, d)}")
+    if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
+            or not block_tables.is_contiguous() or not context_lens.is_contiguous()
+            or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):
+        raise ValueError("paged_decode_int8: block_tables [n, blocks] and context_lens [n] must "
+                         "be contiguous int64")
+    if n == 0:
+        return out
+    if not tables_checked:
+        check_tables(block_tables, context_lens, nb, bs)
+    rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+               out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
+    if rc == -1:
+        raise MemoryError("paged_decode_int8: the kernel could not allocate its scratch buffers")
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_int8: the kernel refused its inputs (code {rc})")
+    return out
+
+
+def paged_decode_kv(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention for one layer's cache [2, blocks, bs, Hkv, W] whose dtype differs from
+    q's; tables already checked (``PagedAttention.forward`` does once per step)."""
+    threads = torch.get_num_threads()
+    if kv_cache.dtype == torch.int8:
+        return paged_decode_int8(q, kv_cache[0], kv_cache[1], block_tables, context_lens, out,
+                                 scale, threads, tables_checked=True)
+    # A narrower float cache (bfloat16 under a float32 model): q in the cache's dtype for the
+    # float kernel; q and out are a few rows, the cache is read in place.
+    o = torch.empty(out.shape, dtype=kv_cache.dtype)
+    paged_decode(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], block_tables, context_lens, o,
+                 scale, threads, tables_checked=True)
+    return out.copy_(o)
