@@ -124,7 +124,7 @@ def test_victim_order_breaks_arrival_ties_by_admission_order():
 def test_identical_prompts_in_one_step_share_blocks_and_produce_the_same_tokens():
     prompt = list(range(1, 30))  # 7 full blocks of 4 + 1 token
 
-    def run(together: bool, caching: bool):
+    def run(caching: bool):
         e = make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=256,
                         enable_prefix_caching=caching)
         for i in range(3):
@@ -136,9 +136,9 @@ def test_identical_prompts_in_one_step_share_blocks_and_produce_the_same_tokens(
         assert_all_free(e)
         return so.num_scheduled_tokens, out
 
-    sched, out = run(True, True)
+    sched, out = run(True)
     assert sched == {"r0": 29, "r1": 1, "r2": 1}  # 28 tokens each hit r0's blocks of this step
-    ref_sched, ref = run(True, False)
+    ref_sched, ref = run(False)
     assert ref_sched == {"r0": 29, "r1": 29, "r2": 29}
     assert out == ref
 

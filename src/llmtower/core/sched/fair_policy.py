@@ -29,7 +29,7 @@ Cost: picking the next waiting request scans the tenants that have one waiting, 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from llmtower.core.config import SchedulerConfig
 from llmtower.core.request import Request

@@ -24,7 +24,7 @@ runs, and it always fits alone (admission caps every request to the whole KV cac
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from llmtower.core.config import SchedulerConfig
 from llmtower.core.request import Request

@@ -551,7 +551,6 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        reqs = self.requests
         logprobs = model_runner_output.logprobs
         prompt_lps = model_runner_output.prompt_logprobs
         caching = self.kv.enable_prefix_caching
