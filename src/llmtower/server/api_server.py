@@ -224,7 +224,12 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     # start-up they cancel it.
     drain = DrainState()
     shutdown = GracefulShutdown(drain, settings.shutdown_timeout, llm.abort_all)
-    shutdown.on_early_signal = lambda: main_task.cancel() if main_task else None
+
+    def cancel_start() -> None:
+        if main_task is not None:
+            main_task.cancel()
+
+    shutdown.on_early_signal = cancel_start
     shutdown.install(loop)
     try:
         await llm.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Sequence
 import json
 import time
 
@@ -16,7 +17,7 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/ping", 
 
 
 async def _send_error(send, status: int, message: str, code: str,
-                      extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+                      extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
