@@ -99,7 +99,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    async def create(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+    async def create(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         llm = cls(engine_args, **kwargs)
         await llm.start()
         return llm

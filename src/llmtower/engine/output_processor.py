@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
