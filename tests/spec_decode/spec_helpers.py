@@ -69,7 +69,7 @@ class ContinuationProposer:
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         self.known = {tuple(p): o for p, o in zip(prompts, outputs)}
 
-    def propose(self, req_ids, histories, num_drafts, num_prompts=None):
+    def propose(self, req_ids, histories, num_drafts, num_prompts=None):  # noqa: ARG002
         out = []
         for h, k in zip(histories, num_drafts):
             h = h.tolist()

@@ -9,8 +9,8 @@ from spec_helpers import (add_requests, assert_nothing_held, copy_prompts, make_
                           spec_json)
 
 METHODS = {
-    "ngram": lambda d: spec_json("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=4),
-    "suffix": lambda d: spec_json("suffix", 6),
+    "ngram": lambda _d: spec_json("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=4),
+    "suffix": lambda _d: spec_json("suffix", 6),
     # The target as its own draft: every greedy draft should be accepted, which holds only if
     # the draft's KV cache follows the target's through preemption, swaps and cache hits.
     "draft_model": lambda d: spec_json("draft_model", 3, model=str(d)),

@@ -23,7 +23,7 @@ class OracleProposer:
     def __init__(self, best_next: dict[tuple[int, ...], int]) -> None:
         self.best_next = best_next
 
-    def propose(self, req_ids, histories, num_drafts, num_prompts=None):
+    def propose(self, req_ids, histories, num_drafts, num_prompts=None):  # noqa: ARG002
         out = []
         for h in histories:
             t = self.best_next.get(tuple(h.tolist()))

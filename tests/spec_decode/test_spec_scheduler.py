@@ -10,7 +10,7 @@ from spec_helpers import add_requests, assert_nothing_held, copy_prompts, make_e
 class WrongProposer:
     """Drafts K tokens that the target (almost) never picks: every step rejects drafts."""
 
-    def propose(self, req_ids, histories, num_drafts, num_prompts=None):
+    def propose(self, req_ids, histories, num_drafts, num_prompts=None):  # noqa: ARG002
         return [[(int(h[-1]) * 7 + j + 1) % 500 + 3 for j in range(k)]
                 for h, k in zip(histories, num_drafts)]
 
@@ -57,7 +57,7 @@ def test_rejected_drafts_release_their_blocks_and_are_never_cached(tiny_llama_di
         held_before = {rid: kv.num_blocks_of(rid) for rid in so.scheduled_spec_decode_tokens}
         out = core.executor.execute_model(so)
         sched.update_from_output(so, out)
-        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+        for rid in so.scheduled_spec_decode_tokens:
             req = sched.requests.get(rid)
             if req is None:
                 continue  # finished: everything was freed

@@ -83,7 +83,7 @@ class SpeculativeConfig:
             need(bool(self.model), "model", "the draft model's path when method is 'draft_model'")
 
     @classmethod
-    def from_json(cls, text: str | dict[str, Any] | None) -> "SpeculativeConfig | None":
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
         """Parse ``--speculative-config`` (a JSON object, or a dict); None or '' -> None."""
         if text is None or text == "" or text == {}:
             return None

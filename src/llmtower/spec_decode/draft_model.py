@@ -61,7 +61,7 @@ class DraftModelProposer:
 
     @classmethod
     def load(cls, config: SpeculativeConfig, runner: Any, dtype: torch.dtype = torch.float32
-             ) -> "DraftModelProposer":
+             ) -> DraftModelProposer:
         from llmtower.models.loader import load_model_config, load_state_dict, resolve_model_path
 
         path = resolve_model_path(config.model)
@@ -71,7 +71,8 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {config.model!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens but the target has {target.vocab_size}: "
                              "a draft model must share the target's tokenizer")
-        model = LlamaForCausalLM(mc, load_state_dict(path, dtype), dtype, runner.max_model_len)
+        weights: dict = load_state_dict(path, dtype)
+        model = LlamaForCausalLM(mc, weights, dtype, runner.max_model_len)
         return cls(model, runner, config.num_speculative_tokens)
 
     # ------------------------------------------------------------------ keeping the cache in step
@@ -159,7 +160,7 @@ class DraftModelProposer:
         return None if p is None else p[:n]
 
     # ------------------------------------------------------------------ the Proposer protocol
-    def propose(self, req_ids, histories, num_drafts, num_prompts=None):  # pragma: no cover
+    def propose(self, req_ids, histories, num_drafts, num_prompts=None):  # noqa: ARG002
         raise TypeError("the draft-model proposer drafts from the runner's batch "
                         "(propose_from_batch)")
 

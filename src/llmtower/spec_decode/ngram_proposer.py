@@ -46,8 +46,9 @@ class NgramProposer:
         start = best + n_min
         return tokens[start:start + k].tolist()
 
-    def propose(self, req_ids: list[str], histories: list[np.ndarray], num_drafts: list[int],
-                num_prompts: list[int] | None = None) -> list[list[int]]:
+    def propose(self, req_ids: list[str], histories: list[np.ndarray],  # noqa: ARG002
+                num_drafts: list[int], num_prompts: list[int] | None = None,  # noqa: ARG002
+                ) -> list[list[int]]:
         return [self.propose_one(h, k) for h, k in zip(histories, num_drafts)]
 
     def remove(self, req_id: str) -> None:
