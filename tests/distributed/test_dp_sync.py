@@ -46,13 +46,23 @@ async def _status(llm) -> list[DPStatus]:
     return await llm.client.call_utility_each("dp_status", result_type=DPStatus)
 
 
+async def _settled(llm, timeout_s: float = 20) -> list[DPStatus]:
+    """The engines' status once the wave has ended everywhere (each engine collects the last
+    collective on its own time, so right after the last output one may not have yet)."""
+    t0 = time.monotonic()
+    while True:
+        status = await _status(llm)
+        if not any(s.in_wave for s in status) or time.monotonic() - t0 > timeout_s:
+            return status
+        await asyncio.sleep(0.05)
+
+
 def test_engines_sync_every_interval_and_stop_together_when_idle(tokenizer):
     async def body(llm):
         before = await _status(llm)
         # Only one request: engine 1 has nothing to do but must join the wave's syncs.
         await _tokens(llm, "one", max_tokens=40)
-        await asyncio.sleep(0.5)  # the wave ends at the next sync once nobody has work
-        after = await _status(llm)
+        after = await _settled(llm)  # the wave ends at the next sync once nobody has work
         procs = [psutil.Process(pid) for pid in llm.client.pids]
         cpu0 = [sum(p.cpu_times()[:2]) for p in procs]
         await asyncio.sleep(1.0)
@@ -78,11 +88,9 @@ def test_engines_sync_every_interval_and_stop_together_when_idle(tokenizer):
 def test_a_new_request_after_idleness_starts_a_new_wave_on_every_engine(tokenizer):
     async def body(llm):
         await _tokens(llm, "a", max_tokens=12)
-        await asyncio.sleep(0.3)
-        first = await _status(llm)
+        first = await _settled(llm)
         await asyncio.gather(_tokens(llm, "b", max_tokens=12), _tokens(llm, "c", max_tokens=12))
-        await asyncio.sleep(0.3)
-        return first, await _status(llm)
+        return first, await _settled(llm)
 
     first, second = _run(tokenizer, body, dp_sync_interval=2)
     assert [s.wave for s in first] == [1, 1]

@@ -68,6 +68,8 @@ def test_two_hosts_serve_lose_a_host_and_take_it_back(tiny_llama_dir, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(lambda i: _complete(url, i), range(8)))
         assert len(set(texts)) == 1  # greedy: the same text whichever host served it
+        _wait(lambda: not any(e["in_wave"] for e in httpx.get(
+            f"{url}/v1/admin/data_parallel", timeout=10).json()["engines"]), 20, "the wave's end")
         view = httpx.get(f"{url}/v1/admin/data_parallel", timeout=10).json()
         assert view["status"] == "ok" and view["live_ranks"] == [0, 1]
         engines = view["engines"]
