@@ -11,7 +11,9 @@ from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.factory import kv_cache_blocks
+from llmtower.executor.kv_quant import row_width
 from llmtower.models.loader import load_model_config
+from tests.fixtures.tiny_models import make_tiny_model_dir
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(8, 5, 40, seed=11)
@@ -89,7 +91,24 @@ def test_same_memory_holds_twice_and_almost_four_times_the_blocks(tiny_llama_dir
 
     f32 = blocks("auto")
     assert blocks("bfloat16") in (2 * f32, 2 * f32 + 1)
-    # int8: 1 byte a value plus a 4-byte scale per head row (head_dim 16 here: 20 bytes vs 64)
+    # int8: 1 byte a value plus 4-byte scales (head_dim 16 here, one scale: 20 bytes vs 64)
     d = config.head_dim
-    assert abs(blocks("int8") - f32 * 4 * d / (d + 4)) <= 1
+    assert abs(blocks("int8") - f32 * 4 * d / row_width(d, torch.int8)) <= 1
     assert blocks("int8", "bfloat16") > blocks("auto", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Llama whose head_dim (64) spans two int8 scale groups of 32 channels."""
+    return make_tiny_model_dir(tmp_path_factory, hidden_size=128, num_heads=2, num_kv_heads=1,
+                               tokenizer_dir=tiny_tokenizer_dir, seed=3)
+
+
+def test_grouped_scales_at_head_dim_64(head_dim_64_dir):
+    ref, _ = run(head_dim_64_dir, prompts=PROMPTS[:4])
+    for backend in ("c", "torch"):
+        got, core = run(head_dim_64_dir, prompts=PROMPTS[:4], kv_cache_dtype="int8",
+                        attention_backend=backend)
+        assert core.executor.kv_cache.kv_caches[0].shape[-1] == 64 + 2 * 4
+        agreement, err = compare(ref, got)
+        assert agreement >= 0.9 and 0 < err <= 0.02, (backend, agreement, err)

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from llmtower.executor.kv_quant import group_size, row_width
 from llmtower.kernels.build import load
 from llmtower.kernels.paged_attention import DTYPES, check_tables, paged_decode
 
@@ -21,7 +22,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 def _fn() -> ctypes._CFuncPtr:
     f = load("paged_attention_int8").paged_decode_int8
     f.restype = ctypes.c_int
-    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return f
 
@@ -30,12 +31,12 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                       scale: float, num_threads: int, tables_checked: bool = False
                       ) -> torch.Tensor:
-    """``paged_decode`` over int8 caches [num_blocks, block_size, Hkv, D + 4] (values, then
-    each row's float32 scale; ``executor/kv_quant.py``). q [n, H, D] and out [n, H, D] float32
-    or bfloat16 (one dtype)."""
+    """``paged_decode`` over int8 caches [num_blocks, block_size, Hkv, D + 4 * groups]
+    (values, then each group's float32 scale; ``executor/kv_quant.py``). q [n, H, D] and out
+    [n, H, D] float32 or bfloat16 (one dtype)."""
     n, h, d = q.shape
     nb, bs, hkv, w = k_cache.shape
-    if w != d + 4 or h % hkv or v_cache.shape != k_cache.shape:
+    if w != row_width(d, torch.int8) or h % hkv or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_decode_int8: q {tuple(q.shape)} does not fit the int8 cache "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8:
@@ -60,7 +61,8 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         check_tables(block_tables, context_lens, nb, bs)
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-               out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
+               out.data_ptr(), n, h, hkv, d, bs, group_size(d), scale, DTYPES[q.dtype],
+               num_threads)
     if rc == -1:
         raise MemoryError("paged_decode_int8: the kernel could not allocate its scratch buffers")
     if rc != 0:

@@ -209,8 +209,9 @@ class PagedAttention:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         n = block_ids.numel()
         if kv_cache.dtype != self.dtype:  # --kv-cache-dtype: gather the stored rows, widen
-            return (read_rows(torch.index_select(kv_cache[0], 0, block_ids), self.dtype),
-                    read_rows(torch.index_select(kv_cache[1], 0, block_ids), self.dtype))
+            d = self.head_dim
+            return (read_rows(torch.index_select(kv_cache[0], 0, block_ids), self.dtype, d),
+                    read_rows(torch.index_select(kv_cache[1], 0, block_ids), self.dtype, d))
         if n <= self.k_buf.shape[0]:
             kb = torch.index_select(kv_cache[0], 0, block_ids, out=self.k_buf[:n])
             vb = torch.index_select(kv_cache[1], 0, block_ids, out=self.v_buf[:n])
