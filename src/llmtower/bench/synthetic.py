@@ -19,7 +19,7 @@ SYNTHETIC_MODELS: dict[str, dict] = {
 
 
 def is_synthetic_model(name: str | None) -> bool:
-    return bool(name) and name.lower() in SYNTHETIC_MODELS
+    return name is not None and name.lower() in SYNTHETIC_MODELS
 
 
 def synthetic_model_dir(name: str, seed: int = 0) -> Path:
@@ -38,7 +38,7 @@ def synthetic_model_dir(name: str, seed: int = 0) -> Path:
                          pad_token_id=None, tie_word_embeddings=False, dtype="float32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model = LlamaForCausalLM(config).float().eval()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(str(tmp), safe_serialization=True)
     if out.exists():  # an incomplete earlier build

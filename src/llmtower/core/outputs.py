@@ -74,7 +74,7 @@ class SchedulerOutput:
     # request that samples this step, and which row is whose. Applied to the logits before
     # sampling.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: "np.ndarray | None" = None
+    grammar_bitmask: np.ndarray | None = None
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     # Speculative decoding: the draft tokens scheduled after each request's last token
@@ -86,7 +86,7 @@ class SchedulerOutput:
     scheduled_requests: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def empty(cls) -> "SchedulerOutput":
+    def empty(cls) -> SchedulerOutput:
         return cls([], [], {}, 0)
 
 

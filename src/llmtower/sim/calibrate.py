@@ -133,9 +133,11 @@ def _fit_max(flops, nbytes, seqs, t, use_seq) -> _Fit:
             err = fit.error(flops, nbytes, seqs, t)
             if best is None or err < best[0]:
                 best = (err, fit)
+        assert best is not None  # the scan above tried 200 points
         step = (hi / lo) ** (1 / 199)
         k_best = best[1].b / best[1].a
         lo, hi = k_best / step, k_best * step
+    assert best is not None
     return best[1]
 
 
@@ -178,6 +180,7 @@ def fit_device(samples: list[StepSample], model: ModelProfile, name: str = "cpu"
             mask = dev <= 4 * 1.4826 * mad
             if mask.sum() < 4:
                 mask[:] = True
+    assert best is not None  # the loop above ran twice
     flops_s, bw = 1.0 / best.a, 1.0 / best.b
     pred = best.predict(flops, nbytes, seqs)
     rel = (pred - t) / t

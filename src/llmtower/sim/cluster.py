@@ -1,7 +1,7 @@
 """Data-parallel replicas, each with its own real Scheduler, behind a load balancer."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -44,7 +44,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
+    def choose(self, replicas: list[Replica], _token_ids: list[int] | None = None) -> int:
         i = self._next
         self._next = (i + 1) % len(replicas)
         return i
@@ -54,7 +54,7 @@ class LeastLoaded:
     """Sends each request to the replica with the fewest unfinished requests (lowest index on
     a tie), as a client that sees every engine's queue would."""
 
-    def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
+    def choose(self, replicas: list[Replica], _token_ids: list[int] | None = None) -> int:
         best, best_load = 0, replicas[0].load
         for r in replicas[1:]:
             load = r.load

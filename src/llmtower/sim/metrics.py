@@ -30,7 +30,7 @@ class SLO:
     e2el_ms: float | None = None
 
     @classmethod
-    def parse(cls, items: list[str] | None) -> "SLO":
+    def parse(cls, items: list[str] | None) -> SLO:
         """['ttft:200', 'tpot:50'] (the syntax of vllm bench serve's --goodput)."""
         slo = cls()
         for item in items or []:
@@ -125,6 +125,7 @@ class MetricsCollector:
         rid = o.request_id
         del self._last_token[rid]
         m = o.metrics
+        assert m is not None  # the scheduler attaches metrics to every finishing output
         log = self.log
         log.index.append(self._index.pop(rid))
         log.replica.append(replica)

@@ -177,7 +177,7 @@ class ModelProfile:
         return {"kind": "model", **asdict(self)}
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str, source: str = "") -> "ModelProfile":
+    def from_hf_config(cls, config: dict[str, Any], name: str, source: str = "") -> ModelProfile:
         """A profile from a Hugging Face config.json (Llama, Qwen2, Mistral families)."""
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                "intermediate_size", "vocab_size") if k not in config]

@@ -25,10 +25,10 @@ class PromptFactory:
         self._groups: dict[str, tuple[random.Random, bytearray]] = {}
 
     def _prefix(self, group: str, n: int) -> bytes:
-        rng, buf = self._groups.get(group) or (None, None)
-        if rng is None:
-            rng, buf = random.Random(f"{self.seed}/prefix/{group}"), bytearray()
-            self._groups[group] = (rng, buf)
+        entry = self._groups.get(group)
+        if entry is None:
+            entry = self._groups[group] = (random.Random(f"{self.seed}/prefix/{group}"), bytearray())
+        rng, buf = entry
         if len(buf) < n:
             buf.extend(rng.randbytes(n - len(buf)))
         return bytes(buf[:n])

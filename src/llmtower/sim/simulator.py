@@ -17,7 +17,7 @@ import heapq
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.request import Request

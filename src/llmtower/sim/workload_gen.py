@@ -40,7 +40,7 @@ class LengthDist:
     spec: str = ""
 
     @classmethod
-    def parse(cls, spec: str, role: str = "input") -> "LengthDist":
+    def parse(cls, spec: str, role: str = "input") -> LengthDist:
         s = str(spec).strip().lower()
         try:
             if s == "sharegpt":

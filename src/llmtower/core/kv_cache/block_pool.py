@@ -14,6 +14,8 @@ hash -> block map of the prefix cache.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class KVCacheBlock:
     """One physical block: its id, reference count, hash (if full and cached) and free-list links."""
@@ -74,9 +76,9 @@ class FreeBlockQueue:
         self.remove(block)  # type: ignore[arg-type]
         return block  # type: ignore[return-value]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self.head.next_free
-        while b is not self.tail:
+        while b is not None and b is not self.tail:
             yield b
             b = b.next_free
 

@@ -149,7 +149,7 @@ class FairPolicy(SchedulingPolicy):
         return (victim.tenant != waiting.tenant
                 and self.rank(victim) > self.counters.get(waiting.tenant, 0.0))
 
-    def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
+    def same_step_hit_ok(self, _req: Request, _owner: Request) -> bool:
         # Counters move during the scan (and back, when a displaced request is refunded), so
         # no order argument holds: never share blocks computed in this step.
         return False

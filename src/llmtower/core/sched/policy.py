@@ -72,14 +72,15 @@ class SchedulingPolicy:
     def victim(self, running: list[Request]) -> Request:
         return max(running, key=self.victim_key)
 
-    def displaces(self, waiting: Request, victim: Request) -> bool:
-        """May ``waiting`` preempt ``victim`` (only when ``may_displace``)?"""
+    def displaces(self, _waiting: Request, _victim: Request) -> bool:
+        """May the waiting request preempt the running victim (only when ``may_displace``)?
+        Never, by default."""
         return False
 
-    def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
-        """May ``req`` hit blocks that ``owner`` computes in this very step? Only if nobody
-        scanned after ``req`` in this step can displace ``owner`` (a displaced owner never
-        computes them)."""
+    def same_step_hit_ok(self, _req: Request, _owner: Request) -> bool:
+        """May a request hit blocks that their owner computes in this very step? Only if nobody
+        scanned after the request in this step can displace the owner (a displaced owner never
+        computes them); always, by default (no policy that displaces)."""
         return True
 
     # ---------------------------------------------------------------- lifecycle hooks

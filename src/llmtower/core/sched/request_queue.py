@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from llmtower.core.request import Request
 
 
-class RequestQueue:
+class RequestQueue(ABC):
     """Owns the waiting requests in policy order, with O(1)/O(log n) add, pop and removal."""
 
     def __init__(self) -> None:
@@ -67,16 +68,18 @@ class RequestQueue:
             req.queued_tokens += num_tokens
             self.num_tokens += num_tokens
 
-    @staticmethod
-    def _live(entry: int, req: Request) -> bool:
-        return req.queue_entry == entry
-
     # Subclasses implement the ordering.
+    @abstractmethod
     def add(self, req: Request) -> None: ...
+    @abstractmethod
     def add_front(self, req: Request) -> None: ...
+    @abstractmethod
     def peek(self) -> Request: ...
+    @abstractmethod
     def pop(self) -> Request: ...
+    @abstractmethod
     def prepend(self, reqs: list[Request]) -> None: ...
+    @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
     def rekey(self, req: Request) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.errors import AdmissionError, QueueFullError
@@ -536,8 +536,9 @@ class Scheduler:
             scheduled_requests=sched_reqs,
         )
         if constrained:
-            out.structured_output_request_ids, out.grammar_bitmask = (
-                self.structured_output.grammar_bitmask(constrained))
+            so = self.structured_output
+            assert so is not None  # a constrained request is only admitted with a manager
+            out.structured_output_request_ids, out.grammar_bitmask = so.grammar_bitmask(constrained)
         self.finished_req_ids = set()
         self.num_steps += 1
         self._last = step
