@@ -69,7 +69,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def load() -> str:
-    return "load average %.1f %.1f %.1f" % os.getloadavg()
+    a, b, c = os.getloadavg()
+    return f"load average {a:.1f} {b:.1f} {c:.1f}"
 
 
 def prompts(llm: LLM, n: int, what: str) -> list[list[int]]:
@@ -211,7 +212,7 @@ def part_compile(llm: LLM) -> None:
           + (" (already built)" if first < 1e-3 else ""))
     for i, schema in enumerate(COMPILE_SCHEMAS):
         params = StructuredOutputsParams(json=schema)
-        cold = _timeit(lambda: backend.compile(params))
+        cold = _timeit(lambda p=params: backend.compile(p))
 
         class _Req:
             request_id = f"c{i}"
@@ -221,7 +222,7 @@ def part_compile(llm: LLM) -> None:
         r1, r2 = _Req(), _Req()
         manager.add_request(r1)
         manager._cache[params.key].future.result()
-        cached = _timeit(lambda: manager.add_request(r2))
+        cached = _timeit(lambda r=r2: manager.add_request(r))
         print(f"   schema {i} ({len(params.spec)} chars): cold {cold * 1e3:7.2f} ms, "
               f"cached {cached * 1e6:6.1f} us")
 

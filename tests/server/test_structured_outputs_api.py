@@ -51,7 +51,7 @@ def post(server, path, body):
 
 
 # ------------------------------------------------------------------ the request surfaces
-def test_every_request_surface_constrains(server, client):
+def test_every_request_surface_constrains(client):
     chat = dict(model=MODEL, messages=MSG, temperature=1.0, seed=7, max_tokens=200)
     r = client.chat.completions.create(**chat, response_format={
         "type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}})

@@ -106,11 +106,17 @@ def test_abort_while_waiting_for_grammar(tokenizer):
 
 
 def test_a_grammar_that_fails_to_compile_is_a_request_error(tokenizer):
+    # Refused at admission if the compile already failed, else reported after it (both 400s).
     engine = make_engine(tokenizer)
     sched = engine.scheduler
-    sched.add_request(request("bad1", PROMPTS[0], {"grammar": "root ::= \"a\" | "}))
-    _, _, errors = run(engine)
+    try:
+        sched.add_request(request("bad1", PROMPTS[0], {"grammar": "root ::= \"a\" | "}))
+    except ValueError as e:
+        errors = [("bad1", str(e))]
+    else:
+        _, _, errors = run(engine)
     assert errors and errors[0][0] == "bad1" and "EBNF grammar has an error" in errors[0][1]
+    assert not sched.requests and not sched.waiting_for_grammar
 
 
 def test_preemption_by_recompute_never_advances_a_matcher_twice(tokenizer):

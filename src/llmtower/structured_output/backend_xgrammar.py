@@ -58,15 +58,18 @@ def unsupported_json_keywords(schema: Any, path: str = "#") -> list[str]:
     return found
 
 
-# A JSON string's characters without escapes or control characters, as a regex class.
-_PLAIN_CHARS = r'[^"\\\x00-\x1f]'
+# Printable ASCII without '"' and '\\': a JSON string character needing no escape. (Non-ASCII
+# is left out: xgrammar 0.2.9 lets a byte-level model emit invalid UTF-8 inside such a class,
+# which decodes to U+FFFD characters and breaks the length bound.)
+_PLAIN_CHARS = r'[ !#-\[\]-~]'
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
     """``schema`` with every string's minLength/maxLength turned into an equivalent pattern.
 
     xgrammar 0.2.9 compiles a length-bounded string to a rule that admits control characters
-    (invalid JSON); a pattern of plain characters with the same bounds is a valid subset."""
+    (invalid JSON); a pattern of plain printable ASCII characters with the same bounds is a
+    valid subset (length-bounded strings are therefore ASCII-only)."""
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):

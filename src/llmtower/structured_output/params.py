@@ -79,7 +79,7 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "structured_outputs"
-                  ) -> "StructuredOutputsParams":
+                  ) -> StructuredOutputsParams:
         """From a request body's ``structured_outputs`` object; unknown keys are a ValueError
         that names them (never silently ignored)."""
         if not isinstance(d, dict):
