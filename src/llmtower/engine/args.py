@@ -49,7 +49,7 @@ _MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "ma
             "max_block_moves_per_step": 1}
 
 
-def _check_field_values(args: "EngineArgs") -> None:
+def _check_field_values(args: EngineArgs) -> None:
     """Every choice-valued and numeric field, with a message that says what to change."""
     for f in fields(args):
         value = getattr(args, f.name)
@@ -142,8 +142,9 @@ class EngineArgs:
                             "model's own, capped at 8192", type=parse_token_count)
     block_size: int = _f(16, "tokens per KV-cache block")
     kv_cache_dtype: str = _f("auto", "KV-cache storage: 'auto' (the model's dtype), 'bfloat16', "
-                             "or 'int8' (a float32 scale per token and KV head: ~3.8x the "
-                             "float32 tokens in the same --kv-cache-memory); docs/memory.md",
+                             "or 'int8' (a float32 scale per 32 channels of a token's KV head: "
+                             "3.6x the float32 tokens in the same --kv-cache-memory); "
+                             "docs/memory.md",
                              choices=["auto", "bfloat16", "int8"])
     kv_cache_memory: str = _f("1GiB", "memory for the KV cache, e.g. 2GiB or a byte count "
                               "(ignored if --num-gpu-blocks is set)",
@@ -232,7 +233,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
-        self.speculative  # a bad --speculative-config fails here, at start-up
+        SpeculativeConfig.from_json(self.speculative_config)  # a bad --speculative-config fails here
         parse_swap_space(self.swap_space)
         _check_field_values(self)
         parse_tenant_weights(self.tenant_weights)
@@ -246,7 +247,7 @@ class EngineArgs:
             raise ValueError(f"dp_timeout={self.dp_timeout} is invalid: give seconds > 0")
         self.topology()  # a data-parallel layout that cannot work fails here, with its reason
 
-    def topology(self) -> "DPTopology":
+    def topology(self) -> DPTopology:
         from llmtower.distributed.topology import DPTopology
         return DPTopology(size=self.data_parallel_size,
                           size_local=self.data_parallel_size_local or self.data_parallel_size,
@@ -254,7 +255,7 @@ class EngineArgs:
                           address=self.data_parallel_address,
                           rpc_port=self.data_parallel_rpc_port, headless=self.headless)
 
-    def dp_group_config(self) -> "DPGroupConfig | None":
+    def dp_group_config(self) -> DPGroupConfig | None:
         """How this engine joins the engines' process group (None: a single engine)."""
         if self.data_parallel_size <= 1:
             return None
@@ -278,7 +279,7 @@ class EngineArgs:
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_json(self.speculative_config)
 
-    def create_structured_outputs_config(self) -> "StructuredOutputsConfig":
+    def create_structured_outputs_config(self) -> StructuredOutputsConfig:
         from llmtower.structured_output.manager import StructuredOutputsConfig
         return StructuredOutputsConfig(
             compile_timeout_s=self.structured_outputs_compile_timeout,
@@ -342,5 +343,5 @@ class EngineArgs:
             group.add_argument(*flags, dest=f.name, type=typ, default=default, help=help_, **kw)
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
