@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
-def _fn() -> ctypes._CFuncPtr:
+def _fn() -> Callable[..., int]:
     f = load("paged_attention_int8").paged_decode_int8
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
