@@ -88,7 +88,7 @@ class EngineCoreClient:
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._ready_future: asyncio.Future | None = None
+        self._ready_future: asyncio.Future[EngineReady] | None = None
         self._recv_task: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._closing = False
@@ -123,15 +123,17 @@ class EngineCoreClient:
         self.proc.start()
         logger.info("engine core process started (pid %d)", self.proc.pid)
         self._loop.add_reader(self.proc.sentinel, self._on_process_exit)
+        assert self._ready_future is not None  # made by _open_sockets
         try:
-            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_future), timeout_s)
+            ready = await asyncio.wait_for(asyncio.shield(self._ready_future), timeout_s)
         except EngineDeadError as e:
             self.shutdown()
             raise EngineStartupError(f"the engine failed to start: {e}") from None
         except asyncio.TimeoutError:
             self.shutdown()
             raise EngineStartupError(f"the engine did not start within {timeout_s} s") from None
-        return self.ready
+        self.ready = ready
+        return ready
 
     def _open_sockets(self, input_address: str, output_address: str) -> None:
         """Bind both sockets (the engine connects) and start receiving."""
@@ -159,9 +161,10 @@ class EngineCoreClient:
         closing generator). A PUSH socket below its high-water mark sends at once."""
         if not request_ids or self.is_dead or self._closing or self._in_sock is None:
             return
-        # zmq.asyncio reports a NOBLOCK failure (queue full) in the returned future.
-        fut = self._in_sock.send_multipart(
-            [InputTag.ABORT, self._encoder.encode(list(request_ids))], flags=zmq.NOBLOCK)
+        # zmq.asyncio reports a NOBLOCK failure (queue full) in the returned future
+        # (ensure_future returns that very future; pyzmq's stubs only promise an Awaitable).
+        fut = asyncio.ensure_future(self._in_sock.send_multipart(
+            [InputTag.ABORT, self._encoder.encode(list(request_ids))], flags=zmq.NOBLOCK))
         if not fut.done() or fut.exception() is not None:
             fut.cancel()
             assert self._loop is not None  # send when the queue drains
@@ -252,7 +255,7 @@ class EngineCoreClient:
             reason += f"; engine error: {self._engine_error.splitlines()[0]}"
         self._mark_dead(reason)
 
-    def engine_of(self, request_id: str) -> int | None:
+    def engine_of(self, request_id: str) -> int | None:  # noqa: ARG002 - EngineClient's signature
         """EngineClient.engine_of: one engine serves everything (rank 0)."""
         return 0
 

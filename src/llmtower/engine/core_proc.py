@@ -23,14 +23,15 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from llmtower.distributed.dp_group import DPGroup, DPStatus
+from llmtower.distributed.dp_group import DPGroup
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.core_messages import (UTILITY_METHODS, EngineDead, EngineReady, InputTag,
@@ -52,7 +53,7 @@ _STOP = object()  # tells the output thread to flush and exit
 _DEFERRED = object()  # a utility answered later (a coordinated operation waiting for its step)
 
 
-class _RUN_NOW:  # noqa: N801 - a marker: run this utility call now
+class _RUN_NOW:  # a marker: run this utility call now
     def __init__(self, call: UtilityCall) -> None:
         self.call = call
 
@@ -328,7 +329,7 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ socket threads
     def _input_thread(self, sock: zmq.Socket) -> None:
-        decoders = {
+        decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
             InputTag.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
             InputTag.ABORT: msgspec.msgpack.Decoder(list[str]),
             InputTag.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
@@ -415,5 +416,5 @@ def _num_unfinished(engine_core: EngineCore) -> int:
     return sched.get_num_unfinished_requests()
 
 
-def _raise_system_exit(signum, frame) -> None:
+def _raise_system_exit(_signum: int, _frame: object) -> None:
     raise SystemExit(0)

@@ -10,7 +10,8 @@ character ("\\ufffd"). Each step costs two decodes of a few tokens, whatever the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # decode(token_ids, skip_special_tokens) -> text
 DecodeFn = Callable[[Sequence[int], bool], str]

@@ -32,14 +32,14 @@ def call_with_render_deadline(fn: Callable[..., T], *args: Any,
     by TemplateTimeoutError after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
 
-    def local_trace(frame: FrameType, event: str, arg: Any) -> Any:
+    def local_trace(_frame: FrameType, event: str, _arg: Any) -> Any:
         if event == "line" and time.monotonic() > deadline:
             raise TemplateTimeoutError(
                 f"the chat template did not finish rendering within {timeout_s:g} s; it "
                 "loops too long for these messages and arguments")
         return local_trace
 
-    def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
+    def global_trace(frame: FrameType, _event: str, _arg: Any) -> Any:
         if frame.f_code.co_filename in _TEMPLATE_FILES:
             return local_trace
         return None

@@ -107,7 +107,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
+    async def _validation(_request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
         return error_response(400, message, param=param)
 
@@ -119,7 +119,7 @@ def install_exception_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         return error_response(status, message, headers=getattr(exc, "headers", None))
 
-    async def _known(request: Request, exc: Exception):
+    async def _known(_request: Request, exc: Exception):
         err = to_api_error(exc)
         return error_response(err.status_code, err.message, err.param, err.code, err.headers)
 

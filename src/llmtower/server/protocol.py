@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -171,7 +171,7 @@ class SamplingRequestFields(OpenAIModel):
 class CompletionRequest(SamplingRequestFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Count | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False

@@ -19,7 +19,7 @@ class Llama3JsonToolParser(ToolParser):
     def starts_tool_call(self, text: str) -> int:
         # Only a call at the very start of the output (after whitespace) is one.
         stripped = text.lstrip()
-        if stripped.startswith(PYTHON_TAG) or stripped.startswith("{"):
+        if stripped.startswith((PYTHON_TAG, "{")):
             return len(text) - len(stripped)
         return -1
 
