@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +19,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 
 
 @functools.cache
-def _fn() -> ctypes._CFuncPtr:
+def _fn() -> Callable[..., int]:
     f = load("paged_attention").paged_decode
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
@@ -56,17 +57,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.dtype != q.dtype:
             raise TypeError(f"paged_decode: {name} is {t.dtype} but q is {q.dtype}: one dtype for all")
-    if q.stride(2) != 1 or q.stride(1) != d:
-        raise ValueError("paged_decode: q's heads and head dims must be contiguous")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("paged_decode: the caches and the output must be contiguous")
-    if tuple(out.shape) != (n, h, d):
-        raise ValueError(f"paged_decode: out is {tuple(out.shape)}, expected {(n, h, d)}")
-    if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
-            or not block_tables.is_contiguous() or not context_lens.is_contiguous()
-            or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):
-        raise ValueError("paged_decode: block_tables [n, blocks] and context_lens [n] must be "
-                         "contiguous int64")
+    check_layout("paged_decode", q, k_cache, v_cache, out, block_tables, context_lens, h, d)
     if n == 0:
         return out
     if not tables_checked:
@@ -92,3 +83,22 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blo
     used = block_tables[:, :-(-max_len // block_size)]
     if int(used.min()) < 0 or int(used.max()) >= num_blocks:
         raise ValueError(f"paged_decode: block ids must be in 0..{num_blocks - 1}")
+
+
+def check_layout(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 h: int, d: int) -> None:
+    """The memory layout every decode kernel trusts before it takes a pointer (``fn`` names
+    the caller in the error)."""
+    n = q.shape[0]
+    if q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError(f"{fn}: q's heads and head dims must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"{fn}: the caches and the output must be contiguous")
+    if tuple(out.shape) != (n, h, d):
+        raise ValueError(f"{fn}: out is {tuple(out.shape)}, expected {(n, h, d)}")
+    if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
+            or not block_tables.is_contiguous() or not context_lens.is_contiguous()
+            or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):
+        raise ValueError(f"{fn}: block_tables [n, blocks] and context_lens [n] must be "
+                         "contiguous int64")

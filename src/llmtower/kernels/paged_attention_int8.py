@@ -14,7 +14,7 @@ import torch
 
 from llmtower.executor.kv_quant import group_size, row_width
 from llmtower.kernels.build import load
-from llmtower.kernels.paged_attention import DTYPES, check_tables, paged_decode
+from llmtower.kernels.paged_attention import DTYPES, check_layout, check_tables, paged_decode
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -45,17 +45,8 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if q.dtype not in DTYPES or out.dtype != q.dtype:
         raise TypeError(f"paged_decode_int8: q and out must share float32 or bfloat16, got "
                         f"{q.dtype} and {out.dtype}")
-    if q.stride(2) != 1 or q.stride(1) != d:
-        raise ValueError("paged_decode_int8: q's heads and head dims must be contiguous")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("paged_decode_int8: the caches and the output must be contiguous")
-    if tuple(out.shape) != (n, h, d):
-        raise ValueError(f"paged_decode_int8: out is {tuple(out.shape)}, expected {(n, h, d)}")
-    if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
-            or not block_tables.is_contiguous() or not context_lens.is_contiguous()
-            or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):
-        raise ValueError("paged_decode_int8: block_tables [n, blocks] and context_lens [n] must "
-                         "be contiguous int64")
+    check_layout("paged_decode_int8", q, k_cache, v_cache, out, block_tables, context_lens,
+                 h, d)
     if n == 0:
         return out
     if not tables_checked:
