@@ -1,6 +1,8 @@
 """The CPU executor: the real model behind the ``Executor`` protocol."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from llmtower.core.config import CacheConfig
@@ -11,6 +13,7 @@ from llmtower.executor.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.model_runner import ModelRunner
 from llmtower.models.config import ModelConfig
 from llmtower.models.llama import LlamaForCausalLM
+from llmtower.models.quant import QuantizedTensor
 
 
 class CPUExecutor:
@@ -18,7 +21,8 @@ class CPUExecutor:
     performs the scheduler's block moves, in the order swap-out, swap-in, copy, and then the
     forward pass and sampling."""
 
-    def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor],
+    def __init__(self, model_config: ModelConfig,
+                 state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
                  seed: int = 0, attention_backend: str = "auto",
                  quantization: str = "none", adaptive_threads: int = 0) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class FakeExecutor:
         self.vocab_size = vocab_size
         self.verify_kv = verify_kv
         # token_fn(request_id, sequence) -> next token; default: the fake model above.
-        self.token_fn = token_fn or (lambda rid, seq: fake_next_token(seq, vocab_size))
+        self.token_fn = token_fn or (lambda _rid, seq: fake_next_token(seq, vocab_size))
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.cpu_kv = np.full((max(num_cpu_blocks, 1), block_size), -1, dtype=np.int64)
         self.reqs: dict[str, _ReqState] = {}
@@ -104,6 +104,7 @@ class FakeExecutor:
             tok = self.token_fn(rid, seq)
             row = so.structured_output_request_ids.get(rid)
             if row is not None:  # structured outputs: the nearest token the grammar allows
+                assert so.grammar_bitmask is not None  # set whenever a row is
                 tok = _allowed_token(so.grammar_bitmask[row], tok, self.vocab_size)
             st.token_ids.append(tok)
             sampled.append([tok])

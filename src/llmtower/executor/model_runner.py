@@ -106,6 +106,7 @@ class ModelRunner:
         if so.grammar_bitmask is not None:  # structured outputs: what the grammars allow
             apply_grammar_bitmask(logits, so, req_ids, inputs.sample_mask)
         if spec is not None:  # verify drafts, append accepted tokens, propose the next
+            assert num_spec is not None  # spec.begin ran above
             out = spec.sample(so, logits, req_ids, inputs, num_spec, batch, self.block_size)
         else:
             tokens, logprobs = self.sampler(logits, inputs.sample_rows, batch)
@@ -206,6 +207,7 @@ class ModelRunner:
         if logprobs is not None:
             out_lp = [[] for _ in req_ids]
             for j, i in enumerate(idx):
-                if logprobs[j] is not None:
-                    out_lp[i].append(logprobs[j])
+                entry = logprobs[j]
+                if entry is not None:
+                    out_lp[i].append(entry)
         return ModelRunnerOutput(req_ids, sampled, out_lp)

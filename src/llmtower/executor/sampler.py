@@ -126,7 +126,8 @@ class Sampler:
             top_i = top_ids.tolist() if top_ids is not None else None
             for j, i in enumerate(wanted):
                 k = int(k_per_row[i])
-                top = list(zip(top_i[j][:k], top_v[j][:k])) if k and top_i is not None else []
+                top = (list(zip(top_i[j][:k], top_v[j][:k]))
+                       if k and top_i is not None and top_v is not None else [])
                 out[i] = LogprobsEntry(int(tokens[i]), chosen_lp_list[j], ranks_list[j], top)
             return out
 

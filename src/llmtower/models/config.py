@@ -86,7 +86,7 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_hf_config(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_config(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` for extra EOS ids) from a model
         directory, or from the path of a config.json itself."""
         path = Path(path)
@@ -104,7 +104,7 @@ class ModelConfig:
             raise ValueError(f"{file} lacks the required key {e.args[0]!r}") from None
 
     @classmethod
-    def _from_dict(cls, cfg: dict[str, Any], file: Path) -> "ModelConfig":
+    def _from_dict(cls, cfg: dict[str, Any], file: Path) -> ModelConfig:
         arch = _architecture(cfg, file)
         if cfg.get("mlp_bias"):
             raise ValueError(f"{file}: mlp_bias=true is not supported (Llama-family MLPs have no bias)")

@@ -5,9 +5,12 @@ decoders below cover the common types (Q4_0, Q4_1, Q8_0) for older gguf releases
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
+_gguf_dequantize: Callable[[np.ndarray, GGMLQuantizationType], np.ndarray] | None
 try:
     from gguf.quants import dequantize as _gguf_dequantize
 except ImportError:  # gguf releases before quants.dequantize

@@ -8,7 +8,7 @@ in full float32 (or bfloat16 with float32 accumulation); they differ only in sum
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """AutoTokenizer over the local directory ``path`` (never a hub). Its ``chat_template`` comes
     from tokenizer_config.json or chat_template.jinja when the model has one."""
     path = Path(path)

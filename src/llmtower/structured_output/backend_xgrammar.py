@@ -74,7 +74,7 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
         return [bounded_strings_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in schema.items():
         if k in _SCHEMA_MAPS and isinstance(v, dict):
             out[k] = {name: bounded_strings_as_patterns(sub) for name, sub in v.items()}

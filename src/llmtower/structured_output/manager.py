@@ -129,6 +129,7 @@ class StructuredOutputManager:
     def _try_ready(self, req: Any) -> bool:
         state: GrammarState = req.structured_output
         fut = state.compile.future
+        assert fut is not None  # add_request submits the compile before it asks
         if not fut.done():
             return False
         exc = fut.exception()

@@ -22,7 +22,7 @@ def structured_outputs_of(req: Any) -> StructuredOutputsParams | None:
     so = getattr(req, "structured_outputs", None)
     if so is not None:
         sources.append(("structured_outputs", StructuredOutputsParams.from_dict(so)))
-    guided = {k: getattr(req, f"guided_{k}", None) for k in GUIDED_FIELDS}
+    guided: dict[str, Any] = {k: getattr(req, f"guided_{k}", None) for k in GUIDED_FIELDS}
     guided = {k: v for k, v in guided.items() if v is not None}
     for k, v in guided.items():
         sources.append((f"guided_{k}", StructuredOutputsParams(**{k: v})))
