@@ -227,6 +227,8 @@ def test_one_registry_holds_each_request_in_flight_and_nothing_after(tokenizer):
         await stream.aclose()  # the client goes away: the request is forgotten everywhere
         return in_flight, dict(op.parents), dict(op.request_states), await llm.get_stats()
 
-    in_flight, parents, states, stats = _run(tokenizer, body)
+    # The slow engine (10 ms a step): with the plain fake one all 50 steps can be over before
+    # the test looks, and the request is then rightly no longer in flight.
+    in_flight, parents, states, stats = _run(tokenizer, body, make_slow_fake_engine)
     assert in_flight and parents == {} and states == {}
     assert stats.num_running_reqs == 0
