@@ -21,7 +21,8 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/llmtower serve
 
-test: $(STAMP)
+# The static checks first (seconds), then the suite; .ci/run runs this.
+test: lint
 	$(PY) -m pytest -q
 
 # Static checks: ruff (style, imports, unused code) and mypy (types) over src/.
