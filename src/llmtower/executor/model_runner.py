@@ -25,7 +25,7 @@ from llmtower.executor.prompt_logprobs import (PromptLogprobsPlan, compute_promp
                                                plan_prompt_logprobs)
 from llmtower.executor.sampler import Sampler
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
-                                       decode_batch, decode_groups)
+                                       decode_batch, decode_groups, kernel_decode_mask)
 from llmtower.models.llama import LlamaForCausalLM
 from llmtower.spec_decode.runner_step import SpecDecodeStep, expand_logits_indices
 from llmtower.structured_output.bitmask import apply_grammar_bitmask
@@ -134,8 +134,9 @@ class ModelRunner:
             raise RuntimeError(f"request {bad!r} was scheduled past the tokens the runner holds: "
                                "the scheduler and the runner disagree on its sequence")
         # Flat batch order: single-token queries first, sorted by context length so that each
-        # decode group is a run of consecutive rows; then the longer chunks.
-        is_dec = num_sched == 1
+        # decode group is a run of consecutive rows; then the longer chunks. With the C kernel
+        # a decode with drafts (a few rows after a context) counts as a decode too.
+        is_dec = kernel_decode_mask(num_sched, start, self.attn.backend)
         dec = np.flatnonzero(is_dec)
         order = np.concatenate([dec[np.argsort(end[dec], kind="stable")], np.flatnonzero(~is_dec)])
         o_rows, o_sched, o_start, o_end = rows[order], num_sched[order], start[order], end[order]
@@ -158,7 +159,7 @@ class ModelRunner:
         last_row[order] = cu - 1
         meta = AttentionMetadata(total, torch.from_numpy(slots))
         k = len(dec)
-        self._plan_decodes(meta, o_rows[:k], o_end[:k])
+        self._plan_decodes(meta, o_rows[:k], o_end[:k], o_sched[:k])
         self._plan_prefills(meta, o_rows[k:], o_sched[k:], first[k:], o_start[k:], o_end[k:])
         logits_rows = last_row[sample_mask]
         if num_spec is not None:  # a request with k drafts is verified at its last k + 1 rows
@@ -169,13 +170,15 @@ class ModelRunner:
                           torch.from_numpy(logits_rows), sample_mask, rows[sample_mask],
                           plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_first))
 
-    def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray) -> None:
-        """The single-token queries: flat rows 0..len(rows), ascending context length."""
+    def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray,
+                      num_sched: np.ndarray) -> None:
+        """The decode-like queries, first in the flat batch, ascending context length: one row
+        per request, or (C backend) a few per request (``kernel_decode_mask``)."""
         if len(rows) == 0:
             return
         tables = self.batch.block_table[rows]
         if self.attn.backend == "c":
-            meta.decodes = decode_batch(tables, end, self.block_size)
+            meta.decodes = decode_batch(tables, end, self.block_size, num_sched)
         else:
             meta.decode_groups = decode_groups(tables, end, self.block_size,
                                                self.decode_group_tokens, self.attn.dtype)

@@ -182,3 +182,148 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------- multi-query decode
+ * paged_decode_mq: the same attention for requests with q_len >= 1 query rows each: a decode
+ * with k draft tokens (its last token + the drafts, verified in one pass), or a short chunk
+ * after a cached context. Request r owns the flat rows query_start[r] .. query_start[r+1] - 1
+ * of q and out: its newest q_len tokens, whose keys and values are already in the cache (the
+ * attention layer writes every new token's K/V before any request attends). Row i (0-based)
+ * sits at position context_lens[r] - q_len + i and attends to keys 0 .. that position: the
+ * context plus the rows before it (causal), so context_lens[r] >= q_len.
+ *
+ * A work unit is one (request, KV head): its q_len * G query vectors (G query heads per KV
+ * head) are widened once and each key and value row of that head is read once for all of them,
+ * then reused from L1 by every query that sees it. The per-row causal limit only drops keys
+ * at the tail (the request's own new tokens), so the walk over the context is the same as the
+ * one-query kernel's. Exact softmax, float32 arithmetic, bfloat16 rounded on store, as above.
+ */
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *block_tables, *context_lens, *query_start;
+    void *out;
+    int64_t q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} MQJob;
+
+static inline __attribute__((always_inline)) void attend_mq(const MQJob *j, int64_t r, int64_t g,
+                                                            float *scores, float *acc,
+                                                            const int64_t D, const int BF16) {
+    const int64_t H = j->num_heads, G = H / j->num_kv_heads, bs = j->block_size;
+    const int64_t row = j->num_kv_heads * D, ctx = j->context_lens[r];
+    const int64_t q0 = j->query_start[r], nq = j->query_start[r + 1] - q0;
+    const int64_t first = ctx - nq; /* keys every row sees; row i also sees first .. first + i */
+    const int64_t Q = nq * G;       /* query vector x = i * G + jj: row i, query head g * G + jj */
+    const int64_t *table = j->block_tables + r * j->bt_stride;
+    const void *restrict K = j->k, *restrict V = j->v;
+    float *restrict qv = acc + Q * D; /* the widened, scaled queries; then the Q sums */
+    float *restrict sums = qv + Q * D;
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t jj = 0; jj < G; jj++) {
+            const int64_t src = (q0 + i) * j->q_stride + (g * G + jj) * D;
+            float *dst = qv + (i * G + jj) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = ld(j->q, src + d, BF16) * j->scale;
+        }
+
+    /* scores[x * ctx + p] = scale * (q_x . k_p) for the keys query x sees */
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+        const int64_t kb = table[p0 / bs] * bs * row;
+        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) {
+            prefetch_next_block(K, table, p0, t, ctx, bs, row, BF16);
+            const int64_t p = p0 + t, kh = kb + t * row + g * D;
+            for (int64_t x = (p > first ? p - first : 0) * G; x < Q; x++) {
+                const float *qx = qv + x * D;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qx[d] * ld(K, kh + d, BF16);
+                scores[x * ctx + p] = s;
+            }
+        }
+    }
+    for (int64_t x = 0; x < Q; x++) {
+        const int64_t len = first + x / G + 1;
+        float *sx = scores + x * ctx, m = sx[0], sum = 0.f;
+        for (int64_t p = 1; p < len; p++) m = sx[p] > m ? sx[p] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < len; p++) {
+            sx[p] = expf(sx[p] - m);
+            sum += sx[p];
+        }
+        sums[x] = sum;
+    }
+    for (int64_t i = 0; i < Q * D; i++) acc[i] = 0.f;
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+        const int64_t vb = table[p0 / bs] * bs * row;
+        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) {
+            prefetch_next_block(V, table, p0, t, ctx, bs, row, BF16);
+            const int64_t p = p0 + t, vh = vb + t * row + g * D;
+            for (int64_t x = (p > first ? p - first : 0) * G; x < Q; x++) {
+                const float w = scores[x * ctx + p];
+                float *restrict ax = acc + x * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ax[d] += w * ld(V, vh + d, BF16);
+            }
+        }
+    }
+    for (int64_t x = 0; x < Q; x++) {
+        const float inv = 1.f / sums[x];
+        const int64_t dst = ((q0 + x / G) * H + g * G + x % G) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float o = acc[x * D + d] * inv;
+            if (BF16) ((uint16_t *)j->out)[dst + d] = f32_to_bf16(o);
+            else ((float *)j->out)[dst + d] = o;
+        }
+    }
+}
+
+static void attend_mq_one(const MQJob *j, int64_t r, int64_t g, float *scores, float *acc,
+                          int bf16) {
+    switch (j->head_dim * 2 + bf16) {
+        case 64 * 2: attend_mq(j, r, g, scores, acc, 64, 0); break;
+        case 64 * 2 + 1: attend_mq(j, r, g, scores, acc, 64, 1); break;
+        case 128 * 2: attend_mq(j, r, g, scores, acc, 128, 0); break;
+        case 128 * 2 + 1: attend_mq(j, r, g, scores, acc, 128, 1); break;
+        default:
+            if (bf16) attend_mq(j, r, g, scores, acc, j->head_dim, 1);
+            else attend_mq(j, r, g, scores, acc, j->head_dim, 0);
+    }
+}
+
+/* q [query_start[num_reqs], H, D] rows q_stride apart; out [query_start[num_reqs], H, D]
+ * contiguous; the rest as paged_decode. Returns 0, -1 (no memory for the scratch buffers) or
+ * -2 (a request with q_len < 1 or a context shorter than its q_len). */
+int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
+                    const int64_t *query_start, void *out, int64_t num_reqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                    int dtype, int num_threads) {
+    MQJob j = {q, k_cache, v_cache, block_tables, context_lens, query_start, out, q_stride,
+               bt_stride, num_heads, num_kv_heads, head_dim, block_size, scale};
+    if (num_kv_heads < 1 || num_heads % num_kv_heads) return -2;
+    int64_t max_scores = 1, max_q = 1;
+    const int64_t G = num_heads / num_kv_heads;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t nq = query_start[r + 1] - query_start[r];
+        if (nq < 1 || context_lens[r] < nq) return -2;
+        if (nq * G * context_lens[r] > max_scores) max_scores = nq * G * context_lens[r];
+        if (nq * G > max_q) max_q = nq * G;
+    }
+    const int64_t units = num_reqs * num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)max_scores);
+        /* per query vector: D accumulators, D widened query values, one sum */
+        float *acc = malloc(sizeof(float) * (size_t)(max_q * (2 * head_dim + 1)));
+        failed = !scores || !acc;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < units; w++)
+            if (!failed) attend_mq_one(&j, w / num_kv_heads, w % num_kv_heads, scores, acc,
+                                       dtype == 1);
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

@@ -27,6 +27,15 @@ def _fn() -> Callable[..., int]:
     return f
 
 
+@functools.cache
+def _fn_mq() -> Callable[..., int]:
+    f = load("paged_attention").paged_decode_mq
+    f.restype = ctypes.c_int
+    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return f
+
+
 def kernel_error() -> str | None:
     """Why the kernel cannot run here, or None when it can (builds it on first call)."""
     try:
@@ -72,6 +81,65 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_start: torch.Tensor, out: torch.Tensor, scale: float, num_threads: int,
+                    checked: bool = False) -> torch.Tensor:
+    """Several query rows per request against its paged context, causal among them.
+
+    Request r owns the rows ``query_start[r]:query_start[r + 1]`` (at least one) of q [T, H, D]
+    and out [T, H, D]: its newest tokens, whose K/V are already in the cache; its last row sits
+    at position ``context_lens[r] - 1`` and row i sees the keys up to its own position. Layouts
+    and dtypes as ``paged_decode``; query_start [n + 1] int64 contiguous from 0 to T.
+    ``checked``: the caller already passed these tables, lengths and starts through
+    ``check_tables`` and ``check_query_start`` for a cache of this many blocks.
+    """
+    t, h, d = q.shape
+    nb, bs, hkv, d2 = k_cache.shape
+    if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode_mq: q {tuple(q.shape)} does not fit the cache "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"paged_decode_mq: q is {q.dtype}; the kernel runs float32 or bfloat16")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"paged_decode_mq: {name} is {x.dtype} but q is {q.dtype}: "
+                            "one dtype for all")
+    n = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    check_layout("paged_decode_mq", q, k_cache, v_cache, out, block_tables, context_lens, h, d,
+                 num_reqs=n)
+    if n == 0 and t == 0:
+        return out
+    if not checked:
+        check_query_start("paged_decode_mq", query_start, context_lens, t)
+        check_tables(block_tables, context_lens, nb, bs)
+    rc = _fn_mq()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                  block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                  query_start.data_ptr(), out.data_ptr(), n, h, hkv, d, bs, scale,
+                  DTYPES[q.dtype], num_threads)
+    if rc == -1:
+        raise MemoryError("paged_decode_mq: the kernel could not allocate its scratch buffers")
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_mq: the kernel refused its inputs (code {rc})")
+    return out
+
+
+def check_query_start(fn: str, query_start: torch.Tensor, context_lens: torch.Tensor,
+                      num_rows: int) -> None:
+    """Every request's rows ``query_start[r]:query_start[r + 1]`` inside the ``num_rows`` rows
+    of q and out, at least one each, and no more than its context holds: C reads q and writes
+    out through these offsets."""
+    n = context_lens.shape[0]
+    if (query_start.dtype != torch.int64 or not query_start.is_contiguous()
+            or query_start.shape != (n + 1,)):
+        raise ValueError(f"{fn}: query_start must be contiguous int64 of shape ({n + 1},)")
+    q_lens = query_start[1:] - query_start[:-1]
+    if int(query_start[0]) != 0 or int(query_start[-1]) != num_rows:
+        raise ValueError(f"{fn}: query_start must run from 0 to the {num_rows} query rows")
+    if n and (int(q_lens.min()) < 1 or bool((q_lens > context_lens).any())):
+        raise ValueError(f"{fn}: every request needs 1..context_len query rows")
+
+
 def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
                  block_size: int) -> None:
     """The C code trusts every block id and length: one bad index would read outside the
@@ -87,9 +155,10 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blo
 
 def check_layout(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 h: int, d: int) -> None:
+                 h: int, d: int, num_reqs: int | None = None) -> None:
     """The memory layout every decode kernel trusts before it takes a pointer (``fn`` names
-    the caller in the error)."""
+    the caller in the error). ``num_reqs``: the requests of a multi-query call (default: one
+    per row of q)."""
     n = q.shape[0]
     if q.stride(2) != 1 or q.stride(1) != d:
         raise ValueError(f"{fn}: q's heads and head dims must be contiguous")
@@ -97,6 +166,8 @@ def check_layout(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"{fn}: the caches and the output must be contiguous")
     if tuple(out.shape) != (n, h, d):
         raise ValueError(f"{fn}: out is {tuple(out.shape)}, expected {(n, h, d)}")
+    if num_reqs is not None:
+        n = num_reqs
     if (block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
             or not block_tables.is_contiguous() or not context_lens.is_contiguous()
             or block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,)):

@@ -13,7 +13,11 @@ request of the same step fills. Then three kinds of work, planned once per step 
   first in the flat batch, sorted by context length. Two backends:
   * ``c`` (float32 or bfloat16, where a C compiler exists; the default there): one call of
     the C kernel ``kernels/paged_attention.c`` serves them all, reading each request's keys
-    and values in place through its block table, each exactly once;
+    and values in place through its block table, each exactly once. With this backend a
+    request with a context and up to ``MAX_DECODE_QUERY_ROWS`` new tokens (a decode with its
+    speculative drafts, a short chunk after a prefix-cache hit) is a decode too: the
+    multi-query kernel (``paged_decode_mq``) gives each of its rows the context plus the rows
+    before it, in the same one call per layer;
   * ``torch``: the decodes are cut into groups; a group's blocks are gathered (whole blocks,
     ``index_select`` into a reused buffer small enough to stay in the CPU cache) and one
     ``scaled_dot_product_attention`` call with a length mask serves the group. Under GQA the
@@ -35,12 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.executor.kv_quant import read_rows, write_slots
-from llmtower.kernels.paged_attention import check_tables, kernel_error, paged_decode
+from llmtower.kernels.paged_attention import (check_query_start, check_tables, kernel_error,
+                                              paged_decode, paged_decode_mq)
 from llmtower.kernels.paged_attention_int8 import paged_decode_kv
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "c", "torch")
+# Longest run of new tokens of one request (after a cached context) that the C decode kernel
+# takes: enough for a decode with 15 drafts. Longer chunks go to SDPA, whose matrix products
+# beat the kernel's dot products once many rows share each key.
+MAX_DECODE_QUERY_ROWS = 16
 
 
 def resolve_backend(backend: str, dtype: torch.dtype) -> str:
@@ -79,12 +88,21 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """All single-token queries of the step, for the C kernel: flat rows ``0:num_reqs``."""
+    """All decode-like queries of the step, for the C kernel: flat rows ``0:num_rows``, one
+    per request, or (``query_start``) each request's consecutive new tokens."""
 
     num_reqs: int
     block_tables: torch.Tensor  # [num_reqs, max blocks] int64; past a request's own blocks: unread
-    context_lens: torch.Tensor  # [num_reqs] int64: keys each query attends to
+    context_lens: torch.Tensor  # [num_reqs] int64: keys the request's last query attends to
     checked: bool = False  # tables and lengths checked against the cache (once per step)
+    # [num_reqs + 1] int64: request r owns rows query_start[r]:query_start[r + 1]; None when
+    # every request has one row (the one-query kernel)
+    query_start: torch.Tensor | None = None
+    num_rows: int = -1  # flat rows in all; -1: num_reqs
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0:
+            self.num_rows = self.num_reqs
 
 
 @dataclass
@@ -110,12 +128,28 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
-def decode_batch(tables: np.ndarray, end: np.ndarray, block_size: int) -> DecodeBatch:
-    """The C kernel's plan for decodes with block tables ``tables`` [m, >= blocks] and context
-    lengths ``end`` [m], ascending."""
-    nb = -(-int(end[-1]) // block_size)  # ascending: the last one is the longest
-    return DecodeBatch(len(end), torch.from_numpy(np.ascontiguousarray(tables[:, :nb])),
-                       torch.from_numpy(np.ascontiguousarray(end, dtype=np.int64)))
+def decode_batch(tables: np.ndarray, end: np.ndarray, block_size: int,
+                 q_lens: np.ndarray | None = None) -> DecodeBatch:
+    """The C kernel's plan for decodes with block tables ``tables`` [m, >= blocks], context
+    lengths ``end`` [m] and, optionally, ``q_lens`` [m] new tokens each (default one)."""
+    nb = -(-int(end.max()) // block_size)
+    db = DecodeBatch(len(end), torch.from_numpy(np.ascontiguousarray(tables[:, :nb])),
+                     torch.from_numpy(np.ascontiguousarray(end, dtype=np.int64)))
+    if q_lens is not None and (q_lens != 1).any():
+        starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        db.query_start = torch.from_numpy(starts)
+        db.num_rows = int(starts[-1])
+    return db
+
+
+def kernel_decode_mask(num_sched: np.ndarray, start: np.ndarray, backend: str) -> np.ndarray:
+    """Which scheduled requests the decode plan takes: one new token each, and with the C
+    backend also a run of up to ``MAX_DECODE_QUERY_ROWS`` after a cached context (drafts)."""
+    one = num_sched == 1
+    if backend != "c":
+        return one
+    return one | ((start > 0) & (num_sched <= MAX_DECODE_QUERY_ROWS))
 
 
 def decode_groups(tables: np.ndarray, end: np.ndarray, block_size: int, budget_tokens: int,
@@ -179,17 +213,23 @@ class PagedAttention:
 
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         if meta.decodes is not None:
-            db, m = meta.decodes, meta.decodes.num_reqs
+            db, m = meta.decodes, meta.decodes.num_rows
             if not db.checked:  # every layer's cache has the same blocks: once per step
+                if db.query_start is not None:
+                    check_query_start("paged attention", db.query_start, db.context_lens, m)
                 check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
                 db.checked = True
-            if kv_cache.dtype == self.dtype:
+            o = out[:m].view(m, self.num_heads, d)
+            if kv_cache.dtype != self.dtype:  # --kv-cache-dtype int8 / bfloat16 under float32
+                paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens, o, self.scale,
+                                query_start=db.query_start)
+            elif db.query_start is None:
                 paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
-                             out[:m].view(m, self.num_heads, d), self.scale,
-                             torch.get_num_threads(), tables_checked=True)
-            else:  # --kv-cache-dtype int8 / bfloat16 under a float32 model
-                paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens,
-                                out[:m].view(m, self.num_heads, d), self.scale)
+                             o, self.scale, torch.get_num_threads(), tables_checked=True)
+            else:  # some requests verify drafts: several causal rows each
+                paged_decode_mq(q[:m], kv_cache[0], kv_cache[1], db.block_tables,
+                                db.context_lens, db.query_start, o, self.scale,
+                                torch.get_num_threads(), checked=True)
         if meta.decode_groups:
             q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:
