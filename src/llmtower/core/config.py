@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
+
 Policy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap"]
 PreemptionVictim = Literal["priority", "remaining"]
@@ -115,6 +117,9 @@ class CacheConfig:
     - ``max_pinned_blocks``: most cached blocks that preloaded prefixes may pin against
       eviction (0: a quarter of ``num_blocks``).
     - ``cache_dtype``: the KV storage dtype (``--kv-cache-dtype``; ``executor/kv_quant.py``).
+    - ``swap_space_dtype``: ``auto`` (swapped blocks as in the cache; compressed to int8 only at
+      degradation level 2) or ``int8`` (every swap-out compressed); ``swap_layout``: the swap
+      slots a block takes either way (``num_cpu_blocks`` counts slots; ``swap_layout.py``).
     """
 
     block_size: int = 16
@@ -126,6 +131,8 @@ class CacheConfig:
     max_block_moves_per_step: int = 64
     max_pinned_blocks: int = 0
     cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's), bfloat16 or int8
+    swap_space_dtype: str = "auto"  # --swap-space-dtype: auto or int8
+    swap_layout: SwapLayout = PLAIN
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")
@@ -134,6 +141,8 @@ class CacheConfig:
         _require(self.num_blocks >= 1, "num_blocks", self.num_blocks, "an integer >= 1")
         _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", self.num_cpu_blocks,
                  "an integer >= 0")
+        _require(self.swap_space_dtype in ("auto", "int8"), "swap_space_dtype",
+                 self.swap_space_dtype, "one of 'auto', 'int8'")
         _require(self.kv_allocator in ("plain", "relocator"), "kv_allocator", self.kv_allocator,
                  "one of 'plain', 'relocator'")
         _require(0.0 <= self.fragmentation_threshold < 1.0, "fragmentation_threshold",

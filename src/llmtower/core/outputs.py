@@ -63,6 +63,11 @@ class SchedulerOutput:
     # order: swap-out (device -> CPU), swap-in (CPU -> device).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The pairs are (block, swap slot): a block takes one slot, or, where swaps may be
+    # compressed, several consecutive pairs (core/kv_cache/swap_layout.py). Device blocks whose
+    # swap copy is int8 are listed here: quantized on the way out, dequantized on the way in.
+    swap_out_compressed: list[int] = field(default_factory=list)
+    swap_in_compressed: list[int] = field(default_factory=list)
     # The relocator's moves, performed after the swaps, as one gather-then-scatter batch: the
     # block in ``src`` now lives in ``dst``, so the executor also rewrites ``src`` to ``dst``
     # in the block tables it holds (before it adds this step's new requests, whose block ids
@@ -84,6 +89,9 @@ class SchedulerOutput:
     # ``update_from_output`` drops outputs for ids this step did not schedule, and tells a
     # request from a new one that reused its id after an abort while the step was in flight.
     scheduled_requests: dict = field(default_factory=dict, repr=False, compare=False)
+    # --async-scheduling: requests this step samples for, whose token the scheduler counted
+    # as a placeholder when it scheduled the step (the executor ignores it).
+    placeholder_req_ids: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
+from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
 from llmtower.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -153,6 +154,11 @@ class EngineArgs:
                              aliases=["--num-gpu-blocks-override"])
     swap_space: str = _f("1GiB", "CPU swap space for preemption_mode=swap: a bare number is GiB "
                          "(as in vLLM: 4 = 4GiB), or a size such as 512MiB")
+    swap_space_dtype: str = _f("auto", "swapped-out KV blocks: 'auto' (as in the KV cache; "
+                               "int8 only at degradation level 2 under --enable-degradation) or "
+                               "'int8' (always compressed: 3.5x the float32 blocks in the same "
+                               "--swap-space, not token-exact); docs/memory.md",
+                               choices=["auto", "int8"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps")
     kv_allocator: str = _f("plain", "KV block allocation: 'plain' (the block pool) or 'relocator' "
@@ -221,6 +227,11 @@ class EngineArgs:
         None, "speculative decoding as a JSON object with vLLM's names, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}'; "
         "methods: ngram, suffix, draft_model (see docs/spec_decode.md)")
+    async_scheduling: bool = _f(
+        False, "schedule step N+1 and emit step N-1's outputs while step N's forward pass runs "
+        "on a worker thread (vLLM's async scheduling; the same tokens as without). Not with "
+        "--speculative-config or structured outputs. On a CPU whose cores all run the forward "
+        "pass it gains little: see docs/performance.md")
     structured_outputs_compile_timeout: float = _f(
         5.0, "seconds a grammar (JSON schema, regex, EBNF) may take to compile before its "
         "request is refused with HTTP 400", type=float)
@@ -234,6 +245,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
         SpeculativeConfig.from_json(self.speculative_config)  # a bad --speculative-config fails here
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("--async-scheduling does not support speculative decoding yet (the "
+                             "drafts of step N+1 depend on step N's tokens): drop "
+                             "--async-scheduling or --speculative-config")
         parse_swap_space(self.swap_space)
         _check_field_values(self)
         parse_tenant_weights(self.tenant_weights)
@@ -311,9 +326,11 @@ class EngineArgs:
             tenant_weights=parse_tenant_weights(self.tenant_weights),
             max_model_len_reason=max_model_len_reason)
 
-    def create_cache_config(self, num_blocks: int, num_cpu_blocks: int) -> CacheConfig:
+    def create_cache_config(self, num_blocks: int, num_cpu_blocks: int,
+                            swap_layout: SwapLayout = PLAIN) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            num_cpu_blocks=num_cpu_blocks,
+                           swap_space_dtype=self.swap_space_dtype, swap_layout=swap_layout,
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_allocator=self.kv_allocator,  # type: ignore[arg-type]
                            fragmentation_threshold=self.fragmentation_threshold,

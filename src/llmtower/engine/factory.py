@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from llmtower.core.sched.async_scheduler import AsyncScheduler
 from llmtower.core.sched.scheduler import Scheduler
 from llmtower.core.sched.degradation import check_host_memory
 from llmtower.executor.memory_bounds import working_memory_bytes
@@ -15,6 +16,8 @@ from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
 from llmtower.executor.kv_quant import resolve_kv_cache_dtype
+from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
+from llmtower.core.kv_cache.swap_layout import SwapLayout
 from llmtower.models.config import ModelConfig
 from llmtower.models.loader import load_model_config, resolve_model_path
 from llmtower.models.quant_loader import load_model_weights
@@ -58,8 +61,8 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
     """(device KV blocks, CPU swap blocks) from --num-gpu-blocks / --kv-cache-memory and
     --swap-space (swap space only under preemption_mode=swap)."""
     # --kv-cache-dtype: a smaller element (and int8's scales) sizes more blocks.
-    per_block = bytes_per_block(config, args.block_size,
-                                resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    per_block = bytes_per_block(config, args.block_size, kv_dtype)
     if args.num_gpu_blocks:
         num_blocks = args.num_gpu_blocks
     else:
@@ -68,9 +71,11 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory!r} holds no KV block (one block "
                              f"of {args.block_size} tokens takes {per_block} bytes for this model): "
                              "give the KV cache more memory")
-    num_cpu_blocks = 0
+    num_cpu_blocks = 0  # swap slots: one per block, or several where swaps may be int8
+    slot_bytes = swap_slot_bytes(config, args.block_size, kv_dtype,
+                                 swap_layout(args, config, dtype))
     if args.preemption_mode == "swap":
-        num_cpu_blocks = parse_swap_space(args.swap_space) // per_block
+        num_cpu_blocks = parse_swap_space(args.swap_space) // slot_bytes
     # Never into the OOM killer: the pool, the model's working memory (memory_bounds.py) and
     # swap space must fit the host's memory.
     working = working_memory_bytes(
@@ -81,8 +86,17 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
     logger.info("memory plan: KV cache %.2f GiB, working memory %.0f MiB (one step's "
                 "activations, scores and logits; bounded oneDNN caches)",
                 num_blocks * per_block / 2**30, working / 2**20)
-    check_host_memory(num_blocks * per_block + working, num_cpu_blocks * per_block)
+    check_host_memory(num_blocks * per_block + working, num_cpu_blocks * slot_bytes)
     return num_blocks, num_cpu_blocks
+
+
+def swap_layout(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -> SwapLayout:
+    """Int8 slots in the swap space when swap-outs may be compressed: --swap-space-dtype int8,
+    or degradation level 2 (executor/swap_space.py)."""
+    may_compress = args.preemption_mode == "swap" and (
+        args.swap_space_dtype == "int8" or args.enable_degradation)
+    return swap_layout_for(config, args.block_size,
+                           resolve_kv_cache_dtype(args.kv_cache_dtype, dtype), may_compress)
 
 
 def create_engine_core(args: EngineArgs) -> EngineCore:
@@ -94,7 +108,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     dtype = resolve_dtype(args.dtype)
     max_model_len = resolve_max_model_len(args.max_model_len, config)
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
-    cache_config = args.create_cache_config(num_blocks, num_cpu_blocks)
+    cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,
+                                            swap_layout(args, config, dtype))
     reason = sliding_window_reason(config, max_model_len)
     if reason:
         logger.warning("max_model_len is %d because %s: longer contexts are refused",
@@ -116,5 +131,7 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
         args.create_structured_outputs_config(),
         args.tokenizer or path, config.vocab_size,
         list(config.eos_token_ids))
-    return EngineCore(Scheduler(scheduler_config, cache_config, structured_output=grammars),
+    # --async-scheduling: the AsyncScheduler's placeholders, and EngineCore's batch queue.
+    scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
+    return EngineCore(scheduler_cls(scheduler_config, cache_config, structured_output=grammars),
                       executor, model_info=info)

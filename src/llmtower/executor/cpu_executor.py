@@ -34,7 +34,8 @@ class CPUExecutor:
                                       quantization)
         self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
                                 cache_config.block_size, dtype,
-                                resolve_kv_cache_dtype(cache_config.cache_dtype, dtype))
+                                resolve_kv_cache_dtype(cache_config.cache_dtype, dtype),
+                                swap_layout=cache_config.swap_layout)
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
                                   attention_backend)
         self.num_steps = 0
@@ -46,8 +47,8 @@ class CPUExecutor:
         if self.thread_governor is not None:
             self.thread_governor.before_step()
         so = scheduler_output
-        self.kv_cache.swap_out(so.blocks_to_swap_out)
-        self.kv_cache.swap_in(so.blocks_to_swap_in)
+        self.kv_cache.swap_out(so.blocks_to_swap_out, so.swap_out_compressed)
+        self.kv_cache.swap_in(so.blocks_to_swap_in, so.swap_in_compressed)
         self.kv_cache.move(so.blocks_to_move)  # block tables: remapped by the runner
         return self.runner.execute_model(so)
 

@@ -11,6 +11,8 @@
 
   swap_caches[layer] : the same layout with num_cpu_blocks blocks ("CPU" swap space; on a
                        CPU-only machine simply a second pool of memory the scheduler manages)
+                       -- or, where swap-outs may be compressed to int8, a ``SlotSwapSpace``
+                       (``swap_space.py``): num_cpu_blocks slots, several per block
 
 A whole block of one layer's K (or V) is contiguous, so block swaps and copies, and the
 attention's per-request gathers, move whole blocks with one ``index_select``/``index_copy_``.
@@ -22,7 +24,9 @@ import sys
 
 import torch
 
+from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
 from llmtower.executor.kv_quant import bytes_per_token_head, row_width
+from llmtower.executor.swap_space import SlotSwapSpace
 from llmtower.models.config import ModelConfig
 
 
@@ -38,8 +42,8 @@ class KVCache:
     swaps and copies listed in a ``SchedulerOutput``."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, num_cpu_blocks: int,
-                 block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
-                 ) -> None:
+                 block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                 swap_layout: SwapLayout = PLAIN) -> None:
         # kv_dtype (--kv-cache-dtype): the storage dtype, default the model's; int8 packs a
         # scale behind every row (kv_quant.py), so swaps and moves copy the scales too.
         kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -54,20 +58,48 @@ class KVCache:
                           for _ in range(config.num_hidden_layers)]
         cpu_shape = (2, num_cpu_blocks) + shape[2:]
         # Swap blocks are only read after they were written, so they may start uninitialized.
-        self.swap_caches = [torch.empty(cpu_shape, dtype=kv_dtype)
-                            for _ in range(config.num_hidden_layers)] if num_cpu_blocks else []
+        # A layout with compressed blocks cuts the swap space into slots instead.
+        self.swap_space: SlotSwapSpace | None = None
+        self.swap_caches: list[torch.Tensor] = []
+        if num_cpu_blocks and swap_layout != PLAIN:
+            self.swap_space = SlotSwapSpace(swap_layout, num_cpu_blocks, config.num_hidden_layers,
+                                            block_size, config.num_key_value_heads,
+                                            config.head_dim, kv_dtype)
+        elif num_cpu_blocks:
+            self.swap_caches = [torch.empty(cpu_shape, dtype=kv_dtype)
+                                for _ in range(config.num_hidden_layers)]
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.kv_dtype = kv_dtype
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, CPU block) pairs: copy device blocks into swap space."""
+    def swap_out(self, pairs: list[tuple[int, int]], compressed: list[int] | None = None
+                 ) -> None:
+        """(device block, CPU slot) pairs: copy device blocks into swap space (those listed
+        in ``compressed`` quantized to int8)."""
+        if self.swap_space is not None:
+            if pairs:
+                self.swap_space.swap_out(self.kv_caches, pairs, compressed or [])
+            return
+        self._check_plain(compressed)
         self._move(pairs, self.kv_caches, self.swap_caches, "swap_out")
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(CPU block, device block) pairs: copy swapped blocks back to the device."""
+    def swap_in(self, pairs: list[tuple[int, int]], compressed: list[int] | None = None
+                ) -> None:
+        """(CPU slot, device block) pairs: copy swapped blocks back to the device (those
+        listed in ``compressed`` dequantized from int8)."""
+        if self.swap_space is not None:
+            if pairs:
+                self.swap_space.swap_in(self.kv_caches, pairs, compressed or [])
+            return
+        self._check_plain(compressed)
         self._move(pairs, self.swap_caches, self.kv_caches, "swap_in")
+
+    @staticmethod
+    def _check_plain(compressed: list[int] | None) -> None:
+        if compressed:
+            raise RuntimeError("the scheduler asked for compressed swaps but this KV cache's "
+                               "swap space has the plain layout (no int8 slots)")
 
     def move(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device block pairs of the relocator, one gather-then-scatter batch (a

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.errors import QueueFullError
+from llmtower.core.kv_cache.swap_layout import SwapLayout
 from llmtower.core.request import Request
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.core.sched.degradation import DegradationConfig, DegradationController
@@ -87,30 +88,58 @@ def test_disabled_controller_never_moves():
     assert c.level == 0 and c.factor == 1.0
 
 
+def test_level_two_compresses_when_the_swap_space_can():
+    c = controller(up_interval=1, down_steps=2, compress_available=True)
+    for want in (1, 2, 3):
+        c.on_step(1, 0, 10)
+        assert c.level == want
+    assert c.actions["compress_skipped"] == 0 and c.factor == pytest.approx(0.9)
+    assert c.base_seqs == 11  # the batch when shrinking began (level 2 did not shrink it)
+    seen = [c.level]
+    for _ in range(8):  # the limits grow back first (grow_after 8) ...
+        c.on_step(0, 0)
+    assert c.factor == 1.0 and c.level == 3
+    for _ in range(6):  # ... then the level falls one at a time, through compress
+        c.on_step(0, 0)
+        if c.level != seen[-1]:
+            seen.append(c.level)
+    assert seen == [3, 2, 1, 0]
+
+
 @settings(max_examples=int(os.environ.get("LLMTOWER_HYPOTHESIS_EXAMPLES", 200)), deadline=None)
 @given(pattern=st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=200),
        up=st.integers(1, 5), down=st.integers(1, 40), floor=st.sampled_from([0.1, 0.25, 0.5]),
-       grow=st.integers(1, 10))
-def test_degradation_always_returns_to_normal_once_load_stops(pattern, up, down, floor, grow):
+       grow=st.integers(1, 10), compress=st.booleans())
+def test_degradation_always_returns_to_normal_once_load_stops(pattern, up, down, floor, grow,
+                                                              compress):
     """Whatever the pressure before, calm steps bring the level to 0 and the limits to 100%
-    within a bounded number of steps, and the level only ever moves by the documented steps."""
+    within a bounded number of steps, and the level only ever moves by the documented steps:
+    through level 2 (compress) when the swap space can compress, past it when it cannot."""
     low = [False]
     c = controller(up_interval=up, down_steps=down, shrink_floor=floor, grow_after=grow,
                    host=lambda: 0 if low[0] else 1 << 40, host_check_interval_s=0.0,
-                   min_host_available_bytes=1)
+                   min_host_available_bytes=1, compress_available=compress)
     evictions = 0
+    levels = {0}
     for preempted, host_low in pattern:
         low[0] = host_low
         before = c.level
         evictions += preempted
         c.on_step(preempted, evictions, 7)
-        assert c.level in (0, 1, 3, 4) and abs(c.level - before) <= 2
+        levels.add(c.level)
+        if compress:
+            assert abs(c.level - before) <= 1
+        else:
+            assert c.level in (0, 1, 3, 4) and abs(c.level - before) <= 2
         assert floor - 1e-9 <= c.factor <= 1.0
         assert c.level >= 3 or c.factor == 1.0
+    if compress and max(levels) >= 3:
+        assert 2 in levels  # no level is skipped on the way up
     low[0] = False
-    bound = 3 * down + 10 * grow + 3
+    bound = 4 * down + 10 * grow + 3
     for _ in range(bound):
         c.on_step(0, evictions, 7)
+        levels.add(c.level)
     assert c.level == 0 and c.factor == 1.0 and c.max_num_seqs(64) == 64
 
 
@@ -176,3 +205,79 @@ def test_level_four_refuses_new_requests_with_queue_full_and_idle_recovers():
     s.abort_requests(["a"])
     s.add_request(Request("c", [1, 2, 3], SamplingParams(max_tokens=4)))  # idle: normal again
     assert s.degradation.level == 0
+
+
+def _swap_scheduler(num_blocks: int = 24, num_slots: int = 84) -> Scheduler:
+    """Swap preemption into a swap space of int8 slots (7 a block, 2 compressed)."""
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64,
+                          enable_degradation=True, preemption_mode="swap")
+    cache = CacheConfig(block_size=4, num_blocks=num_blocks, num_cpu_blocks=num_slots,
+                        enable_prefix_caching=True, swap_layout=SwapLayout(7, 2))
+    return Scheduler(cfg, cache)
+
+
+def test_level_two_swaps_compressed_under_pressure_and_leaks_nothing():
+    s = _swap_scheduler()
+    assert s.degradation.config.compress_available
+    ex = FakeExecutor(24, 4, num_cpu_blocks=84, vocab_size=VOCAB)  # checks every slot's content
+    rng = random.Random(1)
+    expected, out, levels = {}, {}, set()
+    max_swapped_compressed = 0
+    for t in range(5000):
+        if t < 80:
+            for j in range(2):
+                rid = f"r{t}-{j}"
+                prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(8, 20))]
+                try:
+                    s.add_request(Request(rid, prompt, SamplingParams(max_tokens=12,
+                                                                      ignore_eos=True)))
+                except QueueFullError:
+                    continue
+                expected[rid], out[rid] = reference(prompt, 12), []
+        if not s.has_unfinished_requests():
+            continue
+        so = s.schedule()
+        levels.add(s.degradation.level)
+        if so.swap_out_compressed:
+            assert s.degradation.level >= 2
+        max_swapped_compressed = max(max_swapped_compressed, len(s.kv.swapped_compressed))
+        for o in s.update_from_output(so, ex.execute_model(so)).outputs:
+            out[o.request_id].extend(o.new_token_ids)
+    actions = s.get_stats().degradation_actions
+    assert 2 in levels and actions["compress"] > 0 and actions["compress_skipped"] == 0
+    assert max_swapped_compressed > 0
+    for rid, exp in expected.items():  # the fake model's KV is exact: so are the outputs
+        assert out[rid] == exp, rid
+    assert s.get_stats().degradation_level == 0
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert sorted(s.kv.free_cpu_blocks) == list(range(84)) and not s.kv.swapped_compressed
+
+
+def test_aborting_a_compressed_swapped_request_frees_its_slots():
+    s = _swap_scheduler(num_blocks=12)
+    ex = FakeExecutor(12, 4, num_cpu_blocks=84, vocab_size=VOCAB)
+    s.degradation.level = 2  # as sustained preemptions leave it
+    s.degradation.steps_since_change = 0
+    for i in range(6):
+        s.add_request(Request(f"r{i}", list(range(1, 9)), SamplingParams(max_tokens=16,
+                                                                        ignore_eos=True)))
+    victim = None
+    for _ in range(200):
+        so = s.schedule()
+        s.update_from_output(so, ex.execute_model(so))
+        if s.kv.swapped_compressed:
+            victim = sorted(s.kv.swapped_compressed)[0]
+            break
+    assert victim is not None and s.kv.num_swapped_blocks(victim) > 0
+    free_before_abort = len(s.kv.free_cpu_blocks)
+    assert s.abort_requests([victim]) == [victim]
+    assert len(s.kv.free_cpu_blocks) > free_before_abort
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        s.update_from_output(so, ex.execute_model(so))
+    assert not s.has_unfinished_requests()
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert sorted(s.kv.free_cpu_blocks) == list(range(84))
+    assert not s.kv.swapped_compressed and not s.kv.req_to_cpu_blocks

@@ -31,10 +31,16 @@ class KVCacheManager:
         self.pool = BlockPool(cache_config.num_blocks, cache_config.enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        # CPU swap space: a stack of free CPU block ids (O(1) both ways).
+        # CPU swap space: a stack of free swap slots (O(1) both ways). In the plain layout a
+        # slot is a block; where swap-outs may be compressed, a block takes
+        # swap_layout.slots_per_block slots, or slots_per_compressed_block as int8.
         self.num_cpu_blocks = cache_config.num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
-        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}  # each block's slots, in order
+        self.swap_layout = cache_config.swap_layout
+        self.compress_always = (cache_config.swap_space_dtype == "int8"
+                                and cache_config.swap_layout.compressible)
+        self.swapped_compressed: set[str] = set()  # requests whose swapped blocks are int8
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         # Preloaded prefixes kept out of eviction (0: up to a quarter of the blocks).
@@ -149,6 +155,7 @@ class KVCacheManager:
         cpu = self.req_to_cpu_blocks.pop(rid, None)
         if cpu:
             self.free_cpu_blocks.extend(cpu)
+            self.swapped_compressed.discard(rid)
 
     def block_tables(self) -> list[list[KVCacheBlock]]:
         """Every holder's device blocks (what the relocator packs)."""
@@ -177,36 +184,64 @@ class KVCacheManager:
         return len(self.req_to_blocks.get(request_id, ()))
 
     # ------------------------------------------------------------------ swap
-    def can_swap_out(self, request: Request) -> bool:
-        return self.num_blocks_of(request.request_id) <= len(self.free_cpu_blocks)
+    def compress_swap(self, degradation_level: int) -> bool:
+        """Whether a swap-out now stores int8 blocks: always under --swap-space-dtype int8,
+        else from degradation level 2 (compress) on, where the layout allows it."""
+        return self.compress_always or (degradation_level >= 2 and self.swap_layout.compressible)
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to CPU blocks; returns (device, cpu) copy pairs."""
+    def can_swap_out(self, request: Request, compressed: bool = False) -> bool:
+        need = self.num_blocks_of(request.request_id) * self.swap_layout.slots_for(compressed)
+        return need <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request: Request, compressed: bool = False,
+                 compressed_blocks: list[int] | None = None) -> list[tuple[int, int]]:
+        """Move the request's blocks to swap slots; returns (device block, slot) copy pairs,
+        each block's slots consecutive and in order. ``compressed``: stored as int8 (their
+        device ids are appended to ``compressed_blocks``, for the executor)."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid)
         self.num_cached_blocks.pop(rid, None)
-        cpu = [self.free_cpu_blocks.pop() for _ in blocks]
+        per = self.swap_layout.slots_for(compressed)
+        free = self.free_cpu_blocks
+        cpu = [free.pop() for _ in range(len(blocks) * per)]
         self.req_to_cpu_blocks[rid] = cpu
-        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu)]
+        pairs = [(b.block_id, cpu[j * per + s]) for j, b in enumerate(blocks) for s in range(per)]
+        if compressed:
+            self.swapped_compressed.add(rid)
+            if compressed_blocks is not None:
+                compressed_blocks.extend(b.block_id for b in blocks)
         # The device copies stay cached for other requests; the executor copies them out
         # before this step's forward pass overwrites anything.
         self.pool.free(reversed(blocks))
         return pairs
 
+    def num_swapped_blocks(self, request_id: str) -> int:
+        """Blocks a swapped-out request holds in the swap space."""
+        cpu = self.req_to_cpu_blocks.get(request_id, ())
+        return len(cpu) // self.swap_layout.slots_for(request_id in self.swapped_compressed)
+
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        cpu = self.req_to_cpu_blocks.get(request.request_id, ())
-        need = max(len(cpu), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        need = max(self.num_swapped_blocks(request.request_id),
+                   cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
         return need <= self.pool.num_free_blocks
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring the request's CPU blocks back into new device blocks; (cpu, device) pairs."""
+    def swap_in(self, request: Request, compressed_blocks: list[int] | None = None
+                ) -> list[tuple[int, int]]:
+        """Bring the request's swapped blocks back into new device blocks; (slot, device
+        block) pairs, each block's slots consecutive and in order. Blocks that were stored
+        as int8 have their device ids appended to ``compressed_blocks``."""
         rid = request.request_id
+        per = self.swap_layout.slots_for(rid in self.swapped_compressed)
         cpu = self.req_to_cpu_blocks.pop(rid)
-        blocks = self.pool.allocate(len(cpu))
+        blocks = self.pool.allocate(len(cpu) // per)
         self.req_to_blocks[rid] = blocks
         self.num_cached_blocks[rid] = 0
         self.free_cpu_blocks.extend(cpu)
-        return [(c, b.block_id) for c, b in zip(cpu, blocks)]
+        if rid in self.swapped_compressed:
+            self.swapped_compressed.discard(rid)
+            if compressed_blocks is not None:
+                compressed_blocks.extend(b.block_id for b in blocks)
+        return [(c, blocks[i // per].block_id) for i, c in enumerate(cpu)]
 
     # ------------------------------------------------------------------ statistics
     def usage(self) -> float:

@@ -4,8 +4,12 @@ of thrashing, and step back up when the pressure passes.
   level 0 normal
   level 1 evict     cached-but-unused prefix blocks go first (the pool's LRU order already
                     reuses them before any request is preempted); evictions are counted
-  level 2 compress  KV of swapped or idle requests in a smaller dtype. NOT AVAILABLE yet:
-                    the level is passed through and counted as skipped
+  level 2 compress  requests preempted by swap are stored in the swap space as int8 (the
+                    per-token/head/32-channel scales of kv_quant.py): 3.5x as many fit in the
+                    same host memory before preemption falls back to recompute. Each such
+                    swap-out counts as ``compress``. Where it is not available (recompute
+                    preemption, no swap space, an int8 KV cache) the level is passed through
+                    and the transition counted as ``compress_skipped``
   level 3 shrink    the effective max_num_seqs (of the batch running when pressure began) and
                     token budget drop by ``shrink_step`` (10%) per step of pressure, down to
                     ``shrink_floor``, and rise by as much per ``grow_after`` calm steps
@@ -34,7 +38,7 @@ from llmtower.core.errors import QueueFullError
 logger = logging.getLogger(__name__)
 
 LEVEL_NAMES = ("normal", "evict", "compress", "shrink", "refuse")
-ACTIONS = ("evict", "compress_skipped", "shrink", "grow", "refuse")
+ACTIONS = ("evict", "compress", "compress_skipped", "shrink", "grow", "refuse")
 
 
 @dataclass
@@ -50,6 +54,8 @@ class DegradationConfig:
     min_host_available_bytes: int = 256 * 2**20
     host_check_interval_s: float = 1.0
     retry_after_s: int = 2
+    # Level 2 needs swap preemption into a swap space with int8 slots (the scheduler says).
+    compress_available: bool = False
 
 
 def _read_int(path: str) -> int | None:
@@ -157,7 +163,8 @@ class DegradationController:
                 self.factor = max(cfg.shrink_floor, round(self.factor - cfg.shrink_step, 6))
                 self.actions["shrink"] += 1
             elif self.level < 4 and self.steps_since_change >= cfg.up_interval:
-                if self.level >= 1 and self.base_seqs == 0:  # about to shrink: this batch
+                shrinks_next = self.level >= (1 if not cfg.compress_available else 2)
+                if shrinks_next and self.base_seqs == 0:  # about to shrink: this batch
                     self.base_seqs = max(1, num_running + num_preempted)
                 self._set_level(self.level + 1, "preemptions" if num_preempted else "host memory")
             return
@@ -176,11 +183,12 @@ class DegradationController:
 
     def _set_level(self, level: int, why: str) -> None:
         old = self.level
-        if level == 2 and old == 1:  # compression is not available: pass through to shrink
-            self.actions["compress_skipped"] += 1
-            level = 3
-        elif level == 2 and old == 3:
-            level = 1
+        if level == 2 and not self.config.compress_available:  # pass through
+            if old == 1:
+                self.actions["compress_skipped"] += 1
+                level = 3
+            else:
+                level = 1
         self.level = level
         self.steps_since_change = 0
         if level >= 3 and old < 3:

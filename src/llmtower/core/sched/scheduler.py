@@ -53,7 +53,7 @@ class _Step:
 
     __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
                  "swap_out", "swap_in", "num_prefill_tokens", "moves", "spec", "cached_from",
-                 "provisional", "initial_budget", "max_seqs")
+                 "provisional", "initial_budget", "max_seqs", "swap_out_int8", "swap_in_int8")
 
     def __init__(self, budget: int, max_seqs: int = 1 << 30) -> None:
         self.budget = budget
@@ -66,6 +66,8 @@ class _Step:
         self.num_partial = 0
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.swap_out_int8: list[int] = []  # device blocks whose swap copy is int8
+        self.swap_in_int8: list[int] = []
         self.num_prefill_tokens = 0
         self.moves: list[tuple[int, int]] = []  # the relocator's block moves
         self.spec: dict[str, list[int]] = {}  # draft tokens scheduled per request
@@ -89,7 +91,10 @@ class Scheduler:
         self.clock = clock
         self.kv = KVCacheManager(cache_config)
         self.degradation = DegradationController(
-            DegradationConfig(enabled=scheduler_config.enable_degradation), clock=clock)
+            DegradationConfig(enabled=scheduler_config.enable_degradation,
+                              compress_available=(scheduler_config.preemption_mode == "swap"
+                                                  and self.kv.swap_layout.compressible)),
+            clock=clock)
         # Block moves: every step under --kv-allocator relocator, and on demand (defragment()).
         self.relocator = BlockRelocator(self.kv.pool, cache_config.fragmentation_threshold,
                                         cache_config.max_block_moves_per_step)
@@ -251,7 +256,10 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             computed = req.num_computed_tokens
-            num_tokens = len(req.all_token_ids)
+            num_tokens = req.num_tokens_with_placeholders
+            if req.num_output_placeholders and self._at_length_cap(req, num_tokens):
+                i += 1  # --async-scheduling: the step in flight samples its last token
+                continue
             if (num_tokens - computed == 1 and num_tokens > req.num_prompt_tokens
                     and computed < len(req_to_blocks[req.request_id]) * bs
                     and not req.spec_token_ids):
@@ -296,7 +304,7 @@ class Scheduler:
                 if n == 0 or not self.kv.can_swap_in(req, n):
                     break
                 self.swapped.popleft()
-                step.swap_in.extend(self.kv.swap_in(req))
+                step.swap_in.extend(self.kv.swap_in(req, step.swap_in_int8))
                 self.num_swap_ins += 1
                 new_blocks = self.kv.allocate_slots(req, n)
                 assert new_blocks is not None  # can_swap_in checked the room for both
@@ -368,7 +376,7 @@ class Scheduler:
 
     def _num_new_tokens(self, req: Request, num_computed: int, step: _Step) -> int:
         """Tokens to compute for ``req`` this step (0: not this step)."""
-        remaining = len(req.all_token_ids) - num_computed
+        remaining = req.num_tokens_with_placeholders - num_computed
         if remaining == 1:
             return 1  # a decode step (the caller guarantees budget > 0)
         cfg = self.config
@@ -383,6 +391,13 @@ class Scheduler:
             if step.num_partial >= cfg.max_num_partial_prefills:
                 return 0
         return n
+
+    def _at_length_cap(self, req: Request, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` (placeholders included) already reach the request's
+        max_tokens or the length cap: then the step in flight samples its last token, and
+        another step would compute one past its end (``_check_stop`` ends it on arrival)."""
+        return (num_tokens - req.num_prompt_tokens >= req.max_tokens
+                or num_tokens >= self.max_len)
 
     @staticmethod
     def _with_drafts(req: Request, step: _Step) -> int:
@@ -411,9 +426,11 @@ class Scheduler:
             step.new_blocks[rid] = [b.block_id for b in new_blocks]
         if self.policy.charge is not None:
             self.policy.charge(req, n)
-        num_tokens = len(req.all_token_ids)
-        if self.kv.enable_prefix_caching:  # draft tokens (past num_tokens) are never cached
-            self._cache_scheduled_blocks(req, min(req.num_computed_tokens + n, num_tokens), step)
+        known = len(req.all_token_ids)
+        num_tokens = known + req.num_output_placeholders
+        # Draft tokens and placeholders (tokens not sampled yet) are never cached.
+        if self.kv.enable_prefix_caching:
+            self._cache_scheduled_blocks(req, min(req.num_computed_tokens + n, known), step)
         if req.num_computed_tokens + 1 == num_tokens > req.num_prompt_tokens:
             if n > 1:  # a decode with draft tokens (lookahead): verified in one pass
                 step.spec[rid] = req.spec_token_ids[:n - 1]
@@ -447,7 +464,7 @@ class Scheduler:
             step.spec.pop(rid, None)
             step.new_blocks.pop(rid, None)
             step.resumed.discard(rid)
-            computed, num_tokens = victim.num_computed_tokens, victim.num_tokens
+            computed, num_tokens = victim.num_computed_tokens, victim.num_tokens_with_placeholders
             if not computed + 1 == num_tokens > victim.num_prompt_tokens:  # not a decode
                 step.num_prefill_tokens -= n
                 if computed + n < num_tokens:
@@ -464,10 +481,14 @@ class Scheduler:
         # Swap-outs and swap-ins never share a step: the executor copies out before it copies
         # in, so a CPU block freed by a swap-in, or a device block just swapped into, must
         # not be the target or source of a swap-out in the same step.
+        # Degradation level 2 (or --swap-space-dtype int8): the swap copy is int8.
+        compress = self.kv.compress_swap(self.degradation.level)
         if (self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0
-                and not step.swap_in and self.kv.can_swap_out(victim)):
-            step.swap_out.extend(self.kv.swap_out(victim))
+                and not step.swap_in and self.kv.can_swap_out(victim, compress)):
+            step.swap_out.extend(self.kv.swap_out(victim, compress, step.swap_out_int8))
             self.num_swap_outs += 1
+            if compress:
+                self.degradation.actions["compress"] += 1
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
         else:
@@ -527,6 +548,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
+            swap_out_compressed=step.swap_out_int8,
+            swap_in_compressed=step.swap_in_int8,
             blocks_to_move=step.moves,
             scheduled_spec_decode_tokens=step.spec,
             preempted_req_ids={r.request_id for r in step.preempted},
