@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import make_fake_engine_core
-from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noqa: F401
+from tests.fixtures.tiny_models import tiny_llama_dir, tiny_qwen2_dir, tiny_tokenizer_dir  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ class Request:
         "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key",
         "seq", "queue_entry", "queued_tokens", "tenant",
         "spec_token_ids", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-        "structured_output", "prompt_logprobs",
+        "structured_output", "prompt_logprobs", "num_output_placeholders",
     )
 
     def __init__(
@@ -135,10 +135,18 @@ class Request:
         self.structured_output = None
         # Prompt logprobs scored so far, sent to the client with the first token.
         self.prompt_logprobs: list | None = None
+        # --async-scheduling: tokens that steps in flight will sample for this request, not
+        # in all_token_ids yet; the scheduler counts them as if they were (always 0 otherwise).
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those that steps in flight will sample (--async-scheduling)."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

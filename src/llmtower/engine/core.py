@@ -1,6 +1,12 @@
 """EngineCore: one Scheduler next to one Executor, stepping them in a loop.
 
 Used in-process by the offline ``LLM`` and wrapped by ``EngineCoreProc`` for serving.
+
+By default a step is strictly serial: schedule, forward pass, update. Under
+``--async-scheduling`` (an ``AsyncScheduler`` and a ``BatchQueue``) step N+1 is scheduled and
+submitted while step N's forward pass runs on the batch queue's worker thread, and step N's
+output is turned into messages while step N+1 runs; see ``core/sched/async_scheduler.py`` for
+how the one-step lag stays exact.
 """
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ from llmtower.engine.preload import PreloadStatus, PreloadTracker
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot, take_kv_cache_snapshot
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.core.request import Request
+from llmtower.core.sched.async_scheduler import AsyncScheduler
 from llmtower.core.sched.scheduler import Scheduler
+from llmtower.engine.batch_queue import BatchQueue
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.base import Executor
 
@@ -23,6 +31,9 @@ class EngineCore:
                  model_info: ModelInfo | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # --async-scheduling: an AsyncScheduler gets a batch queue (forward passes on a worker
+        # thread, two steps in flight); a plain Scheduler steps serially.
+        self.batch_queue = BatchQueue(executor) if isinstance(scheduler, AsyncScheduler) else None
         # The loaded model's facts (None for test and simulated executors without a model).
         self.model_info = model_info
         self.last_step_seconds = 0.0
@@ -32,6 +43,11 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises AdmissionError / QueueFullError / ValueError; the request is then not queued."""
+        if self.batch_queue is not None and req.sampling_params.structured_outputs is not None:
+            # A grammar's mask for step N+1 needs step N's token, which is not known when
+            # step N+1 is scheduled.
+            raise ValueError("structured outputs are not supported with --async-scheduling: "
+                             "restart the server without --async-scheduling to use them")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, priority=req.priority,
@@ -44,6 +60,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue is not None:
+            return self._step_async(self.batch_queue)
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         t0 = time.perf_counter()
@@ -60,6 +78,31 @@ class EngineCore:
         if self.preloads.active:  # preload requests' tokens never leave the engine
             self.preloads.filter_outputs(outputs)
         # Requests that failed after admission (a grammar that did not compile in time).
+        outputs.request_errors = self.scheduler.take_request_errors()
+        self.last_step_seconds = time.perf_counter() - t0
+        return outputs
+
+    def _step_async(self, queue: BatchQueue) -> EngineCoreOutputs:
+        """Schedule and submit the next step, then apply the oldest step in flight; the first
+        call after a pause submits without waiting, so that two steps are in flight."""
+        t0 = time.perf_counter()
+        self.last_step_num_tokens = 0
+        submitted = False
+        if self.scheduler.has_unfinished_requests() and not queue.full:
+            scheduler_output = self.scheduler.schedule()
+            self.last_schedule_seconds = time.perf_counter() - t0
+            if scheduler_output.total_num_scheduled_tokens or (
+                    scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
+                self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+                queue.submit(scheduler_output)
+                submitted = True
+        if not queue or (submitted and not queue.full and not queue.oldest_done()):
+            return EngineCoreOutputs(timestamp=time.monotonic(),
+                                     request_errors=self.scheduler.take_request_errors())
+        scheduler_output, model_output = queue.pop_oldest()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.preloads.active:
+            self.preloads.filter_outputs(outputs)
         outputs.request_errors = self.scheduler.take_request_errors()
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
@@ -97,6 +140,8 @@ class EngineCore:
         executor moves their K/V and remaps its block tables before the next forward pass."""
         moves, result = self.scheduler.defragment()
         if moves:
+            if self.batch_queue is not None:  # no forward pass may run while blocks move
+                self.batch_queue.wait_idle()
             self.executor.apply_block_moves(moves)  # type: ignore[attr-defined]
         return result
 
@@ -105,4 +150,6 @@ class EngineCore:
         return take_kv_cache_snapshot(self.scheduler)
 
     def shutdown(self) -> None:
+        if self.batch_queue is not None:
+            self.batch_queue.shutdown()
         self.executor.shutdown()
