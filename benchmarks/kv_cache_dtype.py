@@ -12,6 +12,7 @@ The load average is printed beside the figures (the machine is shared: compare r
 
     .venv/bin/python benchmarks/kv_cache_dtype.py                       # SmolLM2, 64 prompts
     .venv/bin/python benchmarks/kv_cache_dtype.py --prompts 16 --variants auto,int8
+    .venv/bin/python benchmarks/kv_cache_dtype.py --model w1 --skip-accuracy  # W1 (random weights)
 """
 from __future__ import annotations
 
@@ -25,12 +26,18 @@ from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.factory import create_engine_core
+from llmtower.bench.synthetic import is_synthetic_model, synthetic_model_dir
+from llmtower.models.loader import load_model_config, resolve_model_path
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model name or folder, or 'w1' (the synthetic W1 Llama, built on first use)")
+    p.add_argument("--skip-accuracy", action="store_true",
+                   help="only the capacity/throughput run (W1's random weights make the "
+                        "accuracy figures meaningless)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--variants", default="auto,bfloat16,int8",
                    help="comma-separated --kv-cache-dtype values; the first is the reference")
@@ -48,8 +55,15 @@ def parse_args() -> argparse.Namespace:
 
 def engine(a: argparse.Namespace, kv: str, **kw) -> EngineCore:
     return create_engine_core(EngineArgs(
-        model=a.model, dtype=a.dtype, kv_cache_dtype=kv, num_threads=a.threads, seed=a.seed,
+        model=model_path(a.model), dtype=a.dtype, kv_cache_dtype=kv, num_threads=a.threads, seed=a.seed,
         attention_backend=a.attention_backend, max_model_len=1024, **kw))
+
+
+def model_path(name: str) -> str:
+    """A synthetic model's folder (``w1``), else the name as given."""
+    if is_synthetic_model(name):
+        return str(synthetic_model_dir(name))
+    return name
 
 
 def run(core: EngineCore, prompts: list[list[int]], output_len: int, logprobs: bool
@@ -94,14 +108,15 @@ def main() -> None:
     a = parse_args()
     variants = a.variants.split(",")
     rng = random.Random(a.seed)
+    vocab = min(40000, load_model_config(resolve_model_path(model_path(a.model))).vocab_size)
     lo, hi = max(1, a.input_len // 2), a.input_len * 3 // 2
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))]
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))]
                for _ in range(a.prompts)]
-    load_prompts = [[rng.randrange(100, 40000) for _ in range(a.input_len)]
+    load_prompts = [[rng.randrange(100, vocab) for _ in range(a.input_len)]
                     for _ in range(a.load_requests)]
     print(f"model {a.model} dtype {a.dtype}; load average at start {os.getloadavg()[0]:.1f}")
     ref = None
-    for kv in variants:
+    for kv in ([] if a.skip_accuracy else variants):
         core = engine(a, kv, kv_cache_memory="512MiB", max_num_seqs=max(64, a.prompts))
         out, secs, _ = run(core, prompts, a.output_len, logprobs=True)
         if ref is None:
@@ -117,6 +132,9 @@ def main() -> None:
     base = None
     for kv in variants:
         core = engine(a, kv, kv_cache_memory=a.kv_cache_memory, max_num_seqs=256)
+        # Warm up (first-call allocations, oneDNN primitives) outside the timed run.
+        run(core, [load_prompts[0][:8]], 2, logprobs=False)
+        core.scheduler.num_preemptions = 0
         blocks = core.scheduler.kv.num_blocks if hasattr(core.scheduler.kv, "num_blocks") else \
             core.executor.kv_cache.num_blocks
         out, secs, peak = run(core, load_prompts, a.output_len, logprobs=False)

@@ -95,3 +95,26 @@ def test_abort_of_a_compressed_swapped_request_leaks_nothing(tiny_llama_dir):
     assert kv.pool.num_free_blocks == free_blocks
     assert len(kv.free_cpu_blocks) == free_slots
     assert core.scheduler.get_stats().kv_cache_usage == 0.0
+
+
+def test_degradation_level_two_compresses_swaps_on_the_real_engine(tiny_llama_dir):
+    ref, _ = run(tiny_llama_dir)
+    core = make_engine(tiny_llama_dir, enable_degradation=True, **PRESSURE)
+    deg = core.scheduler.degradation
+    deg.config.up_interval = 1  # reach level 2 within this short run
+    add(core)
+    levels: set[int] = set()
+    out: dict = {}
+    for _ in range(5000):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step().outputs:
+            out.setdefault(o.request_id, []).extend((e[0], e[1]) for e in o.new_logprobs)
+        levels.add(deg.level)
+    assert 2 in levels and deg.actions["compress"] > 0
+    assert deg.actions["compress"] < core.scheduler.num_swap_outs  # level 0-1 swaps stayed exact
+    agree, err = agreement(ref, out)
+    assert agree >= 0.9 and err <= 0.05, (agree, err)
+    kv = core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert len(kv.free_cpu_blocks) == kv.num_cpu_blocks
