@@ -9,6 +9,9 @@ greedy, EOS-ignoring workloads:
 Each (workload, mode) runs --repeats times, interleaved, and the best output tok/s of each is
 printed with the async/serial ratio, whether both produced the same tokens, and `uptime`'s load
 before and after (this is a shared 2-core machine; ratios from one run are what to compare).
+Also printed: the share of the serial engine's wall time spent in ``schedule()`` and
+``update_from_output()`` -- the host-side work that async scheduling can hide behind the
+forward pass, hence about the most it can gain.
 
     .venv/bin/python benchmarks/async_scheduling.py                       # W1
     .venv/bin/python benchmarks/async_scheduling.py --model smollm2-135m-instruct
@@ -49,9 +52,28 @@ def load() -> str:
     return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+class HostTimer:
+    """Seconds spent in the scheduler's schedule() and update_from_output() of one engine."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.seconds = 0.0
+        sched = core.scheduler
+        for name in ("schedule", "update_from_output"):
+            setattr(sched, name, self._timed(getattr(sched, name)))
+
+    def _timed(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
 def run(core: EngineCore, prompts: list[list[int]], output_len: int,
-        tag: str) -> tuple[float, list[list[int]]]:
-    """Output tok/s and each request's tokens."""
+        tag: str) -> tuple[float, float, list[list[int]]]:
+    """Output tok/s, seconds, and each request's tokens."""
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     t0 = time.perf_counter()
@@ -63,7 +85,7 @@ def run(core: EngineCore, prompts: list[list[int]], output_len: int,
             tokens[o.request_id] += o.new_token_ids
     elapsed = time.perf_counter() - t0
     out = list(tokens.values())
-    return sum(map(len, out)) / elapsed, out
+    return sum(map(len, out)) / elapsed, elapsed, out
 
 
 def main() -> None:
@@ -84,23 +106,30 @@ def main() -> None:
         f"{args.num_prompts} prompts": [rng.integers(0, info.vocab_size, int(n)).tolist()
                                         for n in rng.integers(lo, hi + 1, args.num_prompts)],
     }
-    for mode, core in cores.items():  # warm-up: first-call allocations, kernel selection
+    for core in cores.values():  # warm-up: first-call allocations, kernel selection
         run(core, [workloads["one stream"][0][:16]], 4, "warmup")
         core.reset_prefix_cache()
     print(f"model {args.model}, {args.dtype}, {info.num_threads} threads; {load()}")
+    host = HostTimer(cores[False])
     for name, prompts in workloads.items():
         best: dict[bool, float] = {False: 0.0, True: 0.0}
         same = True
+        host_share = 1.0
         for r in range(args.repeats):
             outs = {}
             for mode in (False, True):
-                rate, outs[mode] = run(cores[mode], prompts, args.output_len, f"{name}-{r}")
+                host0 = host.seconds
+                rate, secs, outs[mode] = run(cores[mode], prompts, args.output_len,
+                                             f"{name}-{r}")
+                if not mode:
+                    host_share = min(host_share, (host.seconds - host0) / secs)
                 cores[mode].reset_prefix_cache()  # each repeat computes its prompts afresh
                 best[mode] = max(best[mode], rate)
             same = same and outs[False] == outs[True]
         print(f"{name:>12}: serial {best[False]:8.1f} output tok/s, async {best[True]:8.1f} "
               f"output tok/s, ratio {best[True] / best[False]:.3f}, identical tokens: "
-              f"{'yes' if same else 'NO'}; {load()}")
+              f"{'yes' if same else 'NO'}; serial schedule+update {100 * host_share:.1f}% "
+              f"of its time; {load()}")
     for core in cores.values():
         core.shutdown()
 
