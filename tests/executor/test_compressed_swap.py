@@ -118,3 +118,28 @@ def test_degradation_level_two_compresses_swaps_on_the_real_engine(tiny_llama_di
     kv = core.scheduler.kv
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert len(kv.free_cpu_blocks) == kv.num_cpu_blocks
+
+
+def test_a_draft_model_cache_follows_compressed_swaps(tiny_llama_dir):
+    """The target as its own draft, over int8 swaps: the draft's cache has the same slotted
+    swap space (its own slot size), and its drafts are still accepted."""
+    import json
+
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                       "model": str(tiny_llama_dir), "adaptive": False})
+    core = make_engine(tiny_llama_dir, speculative_config=spec, swap_space_dtype="int8",
+                       num_gpu_blocks=26, preemption_mode="swap")
+    for i, p in enumerate(PROMPTS[:4]):  # (no logprobs: they turn speculation off)
+        core.add_request(EngineCoreRequest(str(i), p * 3, SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), eos_token_id=2))
+    for _ in range(5000):
+        if not core.has_unfinished_requests():
+            break
+        core.step()
+    sched = core.scheduler
+    assert sched.degradation.actions["compress"] > 0
+    draft_kv = core.executor.runner.spec_decode.proposer.kv
+    assert draft_kv.swap_space is not None and draft_kv.swap_layout == sched.kv.swap_layout
+    stats = sched.spec_stats
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+    assert len(sched.kv.free_cpu_blocks) == sched.kv.num_cpu_blocks

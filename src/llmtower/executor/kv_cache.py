@@ -70,6 +70,7 @@ class KVCache:
                                 for _ in range(config.num_hidden_layers)]
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        self.swap_layout = swap_layout
         self.block_size = block_size
         self.kv_dtype = kv_dtype
 

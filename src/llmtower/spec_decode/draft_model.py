@@ -51,7 +51,8 @@ class DraftModelProposer:
         self.scratch_per_req = -(-max_k // bs) + 1
         num_scratch = MAX_REQS_PER_PASS * self.scratch_per_req
         cfg = model.config
-        self.kv = KVCache(cfg, tkv.num_blocks + num_scratch, tkv.num_cpu_blocks, bs, model.dtype)
+        self.kv = KVCache(cfg, tkv.num_blocks + num_scratch, tkv.num_cpu_blocks, bs, model.dtype,
+                          swap_layout=tkv.swap_layout)  # the same swap slots as the target's
         self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    bs, model.dtype, runner.attn.k_buf.shape[0],
                                    runner.attn.backend)
@@ -78,8 +79,8 @@ class DraftModelProposer:
     # ------------------------------------------------------------------ keeping the cache in step
     def begin(self, so: SchedulerOutput) -> None:
         """The scheduler's block moves, on the draft cache too (the executor did the target's)."""
-        self.kv.swap_out(so.blocks_to_swap_out)
-        self.kv.swap_in(so.blocks_to_swap_in)
+        self.kv.swap_out(so.blocks_to_swap_out, so.swap_out_compressed)
+        self.kv.swap_in(so.blocks_to_swap_in, so.swap_in_compressed)
         self.kv.move(getattr(so, "blocks_to_move", []))
 
     def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
