@@ -136,7 +136,7 @@ class ModelRunner:
         # Flat batch order: single-token queries first, sorted by context length so that each
         # decode group is a run of consecutive rows; then the longer chunks. With the C kernel
         # a decode with drafts (a few rows after a context) counts as a decode too.
-        is_dec = kernel_decode_mask(num_sched, start, self.attn.backend)
+        is_dec = kernel_decode_mask(num_sched, start, self.attn.backend, self.attn.dtype)
         dec = np.flatnonzero(is_dec)
         order = np.concatenate([dec[np.argsort(end[dec], kind="stable")], np.flatnonzero(~is_dec)])
         o_rows, o_sched, o_start, o_end = rows[order], num_sched[order], start[order], end[order]

@@ -193,11 +193,35 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
  * context plus the rows before it (causal), so context_lens[r] >= q_len.
  *
  * A work unit is one (request, KV head): its q_len * G query vectors (G query heads per KV
- * head) are widened once and each key and value row of that head is read once for all of them,
- * then reused from L1 by every query that sees it. The per-row causal limit only drops keys
- * at the tail (the request's own new tokens), so the walk over the context is the same as the
- * one-query kernel's. Exact softmax, float32 arithmetic, bfloat16 rounded on store, as above.
+ * head) are widened once; the context is walked block by block, and each block's keys (then
+ * values) of that head, 4 KiB in float32 at SmolLM2's shape, are read from memory once and
+ * from L1 by every query that sees them. The per-row causal limit only drops keys at the tail
+ * (the request's own new tokens). The softmax's exponentials use exp_nonpos, which vectorizes.
+ * Exact softmax, float32 arithmetic, bfloat16 rounded on store, as above. Where every request
+ * has one row, paged_decode is faster (it reads each slot's heads in one contiguous run).
  */
+/* exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes: the
+ * C library's expf is a call per element, which costs as much as the dot products once a
+ * request has several query rows. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-7
+ * polynomial for e^r (within 2 ulp of float32), times 2^n built in the exponent bits. Below
+ * -87.3 the result would be subnormal: clamped there (the weight is < 1e-37 of the maximum's). */
+static inline float exp_nonpos(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 typedef struct {
     const void *q, *k, *v;
     const int64_t *block_tables, *context_lens, *query_start;
@@ -225,19 +249,43 @@ static inline __attribute__((always_inline)) void attend_mq(const MQJob *j, int6
             for (int64_t d = 0; d < D; d++) dst[d] = ld(j->q, src + d, BF16) * j->scale;
         }
 
-    /* scores[x * ctx + p] = scale * (q_x . k_p) for the keys query x sees */
+    /* scores[x * ctx + p] = scale * (q_x . k_p) for the keys query x sees, one block at a
+     * time (its keys for this head stay in L1 while every query reads them), four keys per
+     * pass so that four sums are in flight */
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
-        const int64_t kb = table[p0 / bs] * bs * row;
+        const int64_t kb = table[p0 / bs] * bs * row + g * D;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t++) {
-            prefetch_next_block(K, table, p0, t, ctx, bs, row, BF16);
-            const int64_t p = p0 + t, kh = kb + t * row + g * D;
-            for (int64_t x = (p > first ? p - first : 0) * G; x < Q; x++) {
-                const float *qx = qv + x * D;
+        if (p0 + bs < ctx) { /* the next block's keys of this head, while this one is used */
+            const char *next = (const char *)K + (table[p0 / bs + 1] * bs * row + g * D) * (BF16 ? 2 : 4);
+            for (int64_t t = 0; t < bs; t++) __builtin_prefetch(next + t * row * (BF16 ? 2 : 4));
+        }
+        for (int64_t x = 0; x < Q; x++) {
+            const int64_t lim = first + x / G + 1 - p0;
+            const int64_t m = lim < n ? lim : n;
+            const float *qx = qv + x * D;
+            float *sx = scores + x * ctx + p0;
+            int64_t t = 0;
+            for (; t + 4 <= m; t += 4) {
+                const int64_t k0 = kb + t * row, k1 = k0 + row, k2 = k1 + row, k3 = k2 + row;
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t d = 0; d < D; d++) {
+                    s0 += qx[d] * ld(K, k0 + d, BF16);
+                    s1 += qx[d] * ld(K, k1 + d, BF16);
+                    s2 += qx[d] * ld(K, k2 + d, BF16);
+                    s3 += qx[d] * ld(K, k3 + d, BF16);
+                }
+                sx[t] = s0;
+                sx[t + 1] = s1;
+                sx[t + 2] = s2;
+                sx[t + 3] = s3;
+            }
+            for (; t < m; t++) {
+                const int64_t kt = kb + t * row;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qx[d] * ld(K, kh + d, BF16);
-                scores[x * ctx + p] = s;
+                for (int64_t d = 0; d < D; d++) s += qx[d] * ld(K, kt + d, BF16);
+                sx[t] = s;
             }
         }
     }
@@ -247,24 +295,33 @@ static inline __attribute__((always_inline)) void attend_mq(const MQJob *j, int6
         for (int64_t p = 1; p < len; p++) m = sx[p] > m ? sx[p] : m;
 #pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < len; p++) {
-            sx[p] = expf(sx[p] - m);
+            sx[p] = exp_nonpos(sx[p] - m);
             sum += sx[p];
         }
         sums[x] = sum;
     }
+    /* acc[x] = sum_p exp_score[x][p] * v_p, one block at a time: the block's values for this
+     * head stay in L1 while every query adds its share into a register-held partial sum */
     for (int64_t i = 0; i < Q * D; i++) acc[i] = 0.f;
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
-        const int64_t vb = table[p0 / bs] * bs * row;
+        const int64_t vb = table[p0 / bs] * bs * row + g * D;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t++) {
-            prefetch_next_block(V, table, p0, t, ctx, bs, row, BF16);
-            const int64_t p = p0 + t, vh = vb + t * row + g * D;
-            for (int64_t x = (p > first ? p - first : 0) * G; x < Q; x++) {
-                const float w = scores[x * ctx + p];
-                float *restrict ax = acc + x * D;
+        for (int64_t x = 0; x < Q; x++) {
+            const int64_t lim = first + x / G + 1 - p0; /* keys of this block query x sees */
+            const int64_t m = lim < n ? lim : n;
+            if (m <= 0) continue;
+            const float *sx = scores + x * ctx + p0;
+            float part[D];
+            for (int64_t d = 0; d < D; d++) part[d] = 0.f;
+            for (int64_t t = 0; t < m; t++) {
+                const float w = sx[t];
+                const int64_t vt = vb + t * row;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ax[d] += w * ld(V, vh + d, BF16);
+                for (int64_t d = 0; d < D; d++) part[d] += w * ld(V, vt + d, BF16);
             }
+            float *restrict ax = acc + x * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ax[d] += part[d];
         }
     }
     for (int64_t x = 0; x < Q; x++) {

@@ -14,7 +14,7 @@ request of the same step fills. Then three kinds of work, planned once per step 
   * ``c`` (float32 or bfloat16, where a C compiler exists; the default there): one call of
     the C kernel ``kernels/paged_attention.c`` serves them all, reading each request's keys
     and values in place through its block table, each exactly once. With this backend a
-    request with a context and up to ``MAX_DECODE_QUERY_ROWS`` new tokens (a decode with its
+    request with a context and a few new tokens (``MAX_DECODE_QUERY_ROWS``: a decode with its
     speculative drafts, a short chunk after a prefix-cache hit) is a decode too: the
     multi-query kernel (``paged_decode_mq``) gives each of its rows the context plus the rows
     before it, in the same one call per layer;
@@ -47,9 +47,12 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "c", "torch")
 # Longest run of new tokens of one request (after a cached context) that the C decode kernel
-# takes: enough for a decode with 15 drafts. Longer chunks go to SDPA, whose matrix products
-# beat the kernel's dot products once many rows share each key.
-MAX_DECODE_QUERY_ROWS = 16
+# takes, by dtype. Longer runs go to SDPA, whose matrix products beat the kernel's dot products
+# once many rows share each key: measured with benchmarks/paged_attention_kernel.py
+# --multi-query (8 requests, SmolLM2's shape, 1 thread), the kernel is 2.2x faster at 2 rows,
+# 1.4x at 5 and even at 9 in float32; in bfloat16 even at about 6 (it widens every key again
+# for each four queries).
+MAX_DECODE_QUERY_ROWS = {torch.float32: 9, torch.bfloat16: 6}
 
 
 def resolve_backend(backend: str, dtype: torch.dtype) -> str:
@@ -143,13 +146,14 @@ def decode_batch(tables: np.ndarray, end: np.ndarray, block_size: int,
     return db
 
 
-def kernel_decode_mask(num_sched: np.ndarray, start: np.ndarray, backend: str) -> np.ndarray:
+def kernel_decode_mask(num_sched: np.ndarray, start: np.ndarray, backend: str,
+                       dtype: torch.dtype) -> np.ndarray:
     """Which scheduled requests the decode plan takes: one new token each, and with the C
     backend also a run of up to ``MAX_DECODE_QUERY_ROWS`` after a cached context (drafts)."""
     one = num_sched == 1
     if backend != "c":
         return one
-    return one | ((start > 0) & (num_sched <= MAX_DECODE_QUERY_ROWS))
+    return one | ((start > 0) & (num_sched <= MAX_DECODE_QUERY_ROWS.get(dtype, 1)))
 
 
 def decode_groups(tables: np.ndarray, end: np.ndarray, block_size: int, budget_tokens: int,
