@@ -1,29 +1,47 @@
 """Two tenants on a live `llmtower serve`, one sending 10x the other's rate at 2x what the
 server completes, under --policy fcfs and --policy fair: each tenant's p99 TTFT, next to the
-light tenant alone (unloaded), and the same shape in the simulator.
+light tenant alone (unloaded) measured the same way in the same run, and the same shape in the
+simulator.
 
-    python benchmarks/tenant_fairness.py [--model DIR] [--duration 30] [--max-num-seqs 2]
+    python benchmarks/tenant_fairness.py [--model DIR] [--duration 20] [--repeats 3]
+                                         [--max-num-seqs 2] [--no-sim]
 
 Without --model it builds the tests' tiny random-weight Llama (tests/fixtures). Steps:
-  1. capacity: a burst of 8 x max_num_seqs requests on an fcfs server -> C requests/s;
-  2. unloaded: the light tenant alone at 2C/11 req/s -> its p99 TTFT;
-  3. overload, per policy: heavy at 20C/11 and light at 2C/11 req/s (Poisson) for --duration s;
-  4. the simulator (device cpu, model smollm2-135m) with the same request shape, tenant mix and
-     relative load (2x its own saturated throughput).
-Prints one table; the machine's load average is printed beside it. TTFT is the server's own
-(`include_metrics`), requests are not streamed (see `one`).
+  1. one server per policy, both started and warmed up (a burst of requests) before anything
+     is measured: a fresh process's first second runs steps several times slower;
+  2. capacity C: a closed loop of 4 x max_num_seqs clients for --capacity-s seconds on the
+     warm fcfs server (what the server completes with its front end busy), requests/s;
+  3. --repeats rounds; in each round, for each policy in turn (so that the machine's noise
+     falls on both): the light tenant alone at 2C/11 req/s for --duration s (unloaded), then
+     heavy at 20C/11 + light at 2C/11 req/s (Poisson) for --duration s, then the backlog
+     drains (every request is measured, none is cut);
+  4. the simulator (device cpu, model smollm2-135m) with the same request shape, tenant mix
+     and relative load (2x its own saturated throughput).
+
+The p99s pool the light requests of all rounds (their number is printed: about
+2C/11 x duration x repeats, 200+ at the defaults); the ratio is also given per round (that
+round's overload against the same server's unloaded phase just before). TTFT is the server's
+own (`include_metrics`: arrival at the API after tokenizing, to the first token sampled);
+requests are not streamed (see `one`). Each phase prints the load average and the CPU share the
+engine process got (a share far below 1 core means the machine starved it: compare ratios
+from the same run only). The slowest light requests under `fair` are broken down into
+transport (API -> engine), queue (engine: queued -> first scheduled) and prefill (first
+scheduled -> first token, recompute after preemption included) and the client's extra time
+(HTTP, JSON, detokenizing: client round trip minus the engine's end-to-end).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,33 +50,53 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "server")]
 
 PROMPT_WORDS = 20  # about 24 tokens with the tiny tokenizer
-MAX_NUM_SEQS = 2  # set from --max-num-seqs
 OUTPUT_LEN = 128
+POLICIES = ("fcfs", "fair")
+
+
+@dataclass
+class Sample:
+    """Where one request's time went (seconds)."""
+
+    tenant: str
+    ttft: float
+    transport: float  # arrival at the API -> queued in the engine
+    queue: float  # queued -> first scheduled
+    prefill: float  # first scheduled -> first token (recompute after preemption included)
+    preemptions: int
+    client_extra: float  # client round trip minus the engine's end-to-end latency
 
 
 def p99(xs: list[float]) -> float:
+    """Nearest-rank p99 (with 100 samples: the second largest)."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+    return xs[max(0, math.ceil(0.99 * len(xs)) - 1)] if xs else float("nan")
 
 
-async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random) -> float:
+async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random) -> Sample:
     words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"])
                      for _ in range(PROMPT_WORDS))
     # Not streamed: with the tiny model the engine steps in under a millisecond, and 128 SSE
     # chunks per request would make the HTTP front end, not the scheduler, the bottleneck.
-    # The TTFT is the server's own (include_metrics: arrival at the API to the first token).
     body = {"model": "tiny", "prompt": words, "max_tokens": OUTPUT_LEN, "ignore_eos": True,
             "temperature": 0, "include_metrics": True}
+    t0 = time.perf_counter()
     r = await client.post("/v1/completions", json=body, headers={"X-Tenant": tenant})
     r.raise_for_status()
-    return r.json()["metrics"]["ttft_ms"] / 1000
+    rtt = time.perf_counter() - t0
+    m = r.json()["metrics"]
+    ttft, queue, prefill = m["ttft_ms"] / 1e3, m["queue_time_ms"] / 1e3, m["prefill_time_ms"] / 1e3
+    return Sample(tenant, ttft, max(0.0, ttft - queue - prefill), queue, prefill,
+                  m["num_preemptions"], max(0.0, rtt - m["e2e_latency_ms"] / 1e3))
 
 
-async def offered_load(url: str, rates: dict[str, float], duration: float, seed: int) -> dict:
+async def offered_load(url: str, rates: dict[str, float], duration: float,
+                       seed: int) -> list[Sample]:
+    """Poisson arrivals per tenant for ``duration`` s; waits for every request to finish."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        tasks: list[tuple[str, asyncio.Task]] = []
+        tasks: list[asyncio.Task] = []
 
         async def tenant_loop(t: str, rate: float) -> None:
             end = time.perf_counter() + duration
@@ -66,14 +104,14 @@ async def offered_load(url: str, rates: dict[str, float], duration: float, seed:
                 await asyncio.sleep(rng.expovariate(rate))
                 if time.perf_counter() > end:
                     return
-                tasks.append((t, asyncio.create_task(one(client, t, rng))))
+                tasks.append(asyncio.create_task(one(client, t, rng)))
 
         await asyncio.gather(*(tenant_loop(t, r) for t, r in rates.items()))
-        out: dict[str, list[float]] = {t: [] for t in rates}
+        out: list[Sample] = []
         failed = 0
-        for t, task in tasks:
+        for task in tasks:
             try:
-                out[t].append(await task)
+                out.append(await task)
             except httpx.HTTPError:
                 failed += 1  # counted, not hidden: printed with the results
         if failed:
@@ -81,12 +119,53 @@ async def offered_load(url: str, rates: dict[str, float], duration: float, seed:
     return out
 
 
-async def capacity(url: str, n: int) -> float:
+async def burst(url: str, n: int) -> None:
     rng = random.Random(0)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(one(client, "warmup", rng) for _ in range(n)))
+
+
+async def capacity(url: str, concurrency: int, seconds: float) -> float:
+    """Requests/s completed by ``concurrency`` clients that each send the next request as
+    soon as the last one answered (closed loop)."""
+    rng = random.Random(0)
+    done = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        end = time.perf_counter() + seconds
+
+        async def loop() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                await one(client, "capacity", rng)
+                done += 1
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, "cal", rng) for _ in range(n)))
-        return n / (time.perf_counter() - t0)
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+class CpuClock:
+    """CPU seconds a process used (Linux /proc; NaN elsewhere)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def seconds(self) -> float:
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return float("nan")
+
+
+def phase(name: str, engine_cpu: CpuClock, coro) -> list[Sample]:
+    t0, c0 = time.perf_counter(), engine_cpu.seconds()
+    out = asyncio.run(coro)
+    wall = time.perf_counter() - t0
+    share = (engine_cpu.seconds() - c0) / wall
+    light = [s.ttft for s in out if s.tenant == "light"]
+    print(f"  {name:<22} {len(out):5d} requests  light p99 {p99(light):7.3f} s "
+          f"(n={len(light)})  engine cpu {share:4.2f} core  load {os.getloadavg()[0]:5.2f}")
+    return out
 
 
 def serve(model: str, policy: str, max_num_seqs: int, log: Path):
@@ -96,12 +175,12 @@ def serve(model: str, policy: str, max_num_seqs: int, log: Path):
                           "--max-num-seqs", str(max_num_seqs), "--policy", policy], log).start()
 
 
-def simulate(duration: float) -> dict:
+def simulate(duration: float, max_num_seqs: int) -> dict:
     """The same shape in the simulator: saturated throughput first, then 2x of it for the same
     duration as the real run."""
     cmd = [sys.executable, "-m", "llmtower.cli.main", "simulate", "run", "--device", "cpu",
            "--model", "smollm2-135m", "--input-len", "fixed:24", "--output-len",
-           f"fixed:{OUTPUT_LEN}", "--max-num-seqs", str(MAX_NUM_SEQS), "--disable-progress"]
+           f"fixed:{OUTPUT_LEN}", "--max-num-seqs", str(max_num_seqs), "--disable-progress"]
     out_dir = Path(tempfile.mkdtemp())
 
     def run(extra: list[str], name: str) -> dict:
@@ -118,7 +197,7 @@ def simulate(duration: float) -> dict:
     light_alone = run(["--num-requests", str(max(2, num_requests // 11)), "--rate",
                        f"{2 * cap / 11:.4f}", "--tenants", "light:1"], "alone")
     rows["unloaded"] = _sim_p99(light_alone, ["light"])
-    for policy in ("fcfs", "fair"):
+    for policy in POLICIES:
         res = run(["--num-requests", str(num_requests), "--rate", f"{2 * cap:.4f}",
                    "--tenants", "heavy:10,light:1", "--policy", policy], policy)
         rows[policy] = _sim_p99(res, ["heavy", "light"])
@@ -131,64 +210,95 @@ def _sim_p99(payload: dict, tenants: list[str]) -> dict:
     return {t: res["by_tenant"][t]["ttft_ms"]["p99"] / 1000 for t in tenants}
 
 
+def tiny_model() -> str:
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+
+    class _Tmp:
+        @staticmethod
+        def mktemp(name: str) -> Path:
+            return Path(tempfile.mkdtemp(prefix=name))
+    return str(make_tiny_model_dir(_Tmp(), "llama"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of offered load")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--capacity-s", type=float, default=6.0)
     ap.add_argument("--max-num-seqs", type=int, default=2)
     ap.add_argument("--no-sim", action="store_true")
     args = ap.parse_args()
-    global MAX_NUM_SEQS
-    MAX_NUM_SEQS = args.max_num_seqs
-    model = args.model
-    if model is None:
-        from tests.fixtures.tiny_models import make_tiny_model_dir
-
-        class _Tmp:
-            @staticmethod
-            def mktemp(name: str) -> Path:
-                return Path(tempfile.mkdtemp(prefix=name))
-        model = str(make_tiny_model_dir(_Tmp(), "llama"))
+    model = args.model or tiny_model()
     logs = Path(tempfile.mkdtemp())
     print(f"load average before: {os.getloadavg()}")
-    rows: dict[str, dict] = {}
-    server = serve(model, "fcfs", args.max_num_seqs, logs / "fcfs.log")
+    servers = {}
     try:
-        cap = asyncio.run(capacity(server.base_url, 8 * args.max_num_seqs))
+        for policy in POLICIES:
+            servers[policy] = serve(model, policy, args.max_num_seqs, logs / f"{policy}.log")
+            asyncio.run(burst(servers[policy].base_url, 16 * args.max_num_seqs))
+        cap = asyncio.run(capacity(servers["fcfs"].base_url, 4 * args.max_num_seqs,
+                                   args.capacity_s))
         light, heavy = 2 * cap / 11, 20 * cap / 11
-        print(f"capacity {cap:.2f} req/s; offered: heavy {heavy:.2f} + light {light:.2f} req/s")
-        alone = asyncio.run(offered_load(server.base_url, {"light": light}, args.duration, 1))
-        rows["unloaded"] = {"light": p99(alone["light"]), "n": len(alone["light"])}
-        res = asyncio.run(offered_load(server.base_url, {"heavy": heavy, "light": light},
-                                       args.duration, 2))
-        rows["fcfs"] = {t: p99(v) for t, v in res.items()}
+        print(f"capacity {cap:.2f} req/s (closed loop, {4 * args.max_num_seqs} clients); "
+              f"offered: heavy {heavy:.2f} + light {light:.2f} req/s for {args.duration:g} s")
+        samples: dict[tuple[str, str], list[list[Sample]]] = {}
+        for rnd in range(args.repeats):
+            print(f"round {rnd + 1}/{args.repeats}")
+            for policy, server in servers.items():
+                cpu = CpuClock(server.engine_pid())
+                seed = 1000 * rnd
+                alone = phase(f"{policy} unloaded", cpu, offered_load(
+                    server.base_url, {"light": light}, args.duration, seed + 1))
+                loaded = phase(f"{policy} overload", cpu, offered_load(
+                    server.base_url, {"heavy": heavy, "light": light}, args.duration, seed + 2))
+                samples.setdefault((policy, "unloaded"), []).append(alone)
+                samples.setdefault((policy, "overload"), []).append(loaded)
     finally:
-        server.stop()
-    server = serve(model, "fair", args.max_num_seqs, logs / "fair.log")
-    try:
-        res = asyncio.run(offered_load(server.base_url, {"heavy": heavy, "light": light},
-                                       args.duration, 2))
-        rows["fair"] = {t: p99(v) for t, v in res.items()}
-    finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     print(f"load average after: {os.getloadavg()}")
-    sim = None if args.no_sim else simulate(args.duration)
+    sim = None if args.no_sim else simulate(args.duration, args.max_num_seqs)
+    report(samples, sim)
+
+
+def _ttfts(rounds: list[list[Sample]], tenant: str) -> list[float]:
+    return [s.ttft for r in rounds for s in r if s.tenant == tenant]
+
+
+def report(samples: dict[tuple[str, str], list[list[Sample]]], sim: dict | None) -> None:
+    unloaded = [r for p in POLICIES for r in samples[(p, "unloaded")]]
+    base = p99(_ttfts(unloaded, "light"))
+    rows = {"unloaded": {"light": base}}
+    for p in POLICIES:
+        rows[p] = {t: p99(_ttfts(samples[(p, "overload")], t)) for t in ("heavy", "light")}
     print(f"\n{'p99 TTFT (s)':<22}{'real heavy':>12}{'real light':>12}"
           + ("" if sim is None else f"{'sim heavy':>12}{'sim light':>12}"))
-    for name in ("unloaded", "fcfs", "fair"):
+    for name in ("unloaded", *POLICIES):
         r = rows[name]
         line = f"{name:<22}{r.get('heavy', float('nan')):>12.3f}{r['light']:>12.3f}"
         if sim is not None:
             s = sim[name]
             line += f"{s.get('heavy', float('nan')):>12.3f}{s['light']:>12.3f}"
         print(line)
-    base = rows["unloaded"]["light"]
-    print(f"\nlight p99 / unloaded: real fcfs {rows['fcfs']['light'] / base:.1f}x, "
-          f"fair {rows['fair']['light'] / base:.1f}x"
-          + ("" if sim is None else
-             f"; sim fcfs {sim['fcfs']['light'] / sim['unloaded']['light']:.1f}x, "
-             f"fair {sim['fair']['light'] / sim['unloaded']['light']:.1f}x"))
+    counts = ", ".join(f"{p} {len(_ttfts(samples[(p, 'overload')], 'light'))}" for p in POLICIES)
+    print(f"light requests pooled: unloaded {len(_ttfts(unloaded, 'light'))}, {counts}")
+    print("light p99 / unloaded: real " + ", ".join(
+        f"{p} {rows[p]['light'] / base:.1f}x" for p in POLICIES)
+        + ("" if sim is None else "; sim " + ", ".join(
+            f"{p} {sim[p]['light'] / sim['unloaded']['light']:.1f}x" for p in POLICIES)))
+    for p in POLICIES:  # each round against the same server's unloaded phase just before
+        per = [p99(_ttfts([lo], "light")) / p99(_ttfts([un], "light"))
+               for un, lo in zip(samples[(p, "unloaded")], samples[(p, "overload")])]
+        print(f"  per round, {p}: " + " ".join(f"{x:.1f}x" for x in per))
+    tail = sorted((s for r in samples[("fair", "overload")] for s in r if s.tenant == "light"),
+                  key=lambda s: -s.ttft)[:5]
+    print("slowest light requests under fair (ms): ttft = transport + queue + prefill "
+          "[preemptions] (+ client extra)")
+    for s in tail:
+        print(f"  {s.ttft * 1e3:8.1f} = {s.transport * 1e3:6.1f} + {s.queue * 1e3:7.1f} + "
+              f"{s.prefill * 1e3:6.1f} [{s.preemptions}] (+ {s.client_extra * 1e3:.1f})")
 
 
 if __name__ == "__main__":

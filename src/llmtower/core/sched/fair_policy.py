@@ -149,6 +149,13 @@ class FairPolicy(SchedulingPolicy):
         return (victim.tenant != waiting.tenant
                 and self.rank(victim) > self.counters.get(waiting.tenant, 0.0))
 
+    def yields_budget(self, running: Request, waiting: Request) -> bool:
+        # A running prefill of a tenant served more than the waiting one (live counters: a
+        # smaller chunk loses nothing, so no livelock argument is needed) leaves it room.
+        counters = self.counters
+        return (running.tenant != waiting.tenant
+                and counters.get(running.tenant, 0.0) > counters.get(waiting.tenant, 0.0))
+
     def same_step_hit_ok(self, _req: Request, _owner: Request) -> bool:
         # Counters move during the scan (and back, when a displaced request is refunded), so
         # no order argument holds: never share blocks computed in this step.

@@ -77,6 +77,12 @@ class SchedulingPolicy:
         Never, by default."""
         return False
 
+    def yields_budget(self, _running: Request, _waiting: Request) -> bool:
+        """Does the running request's prefill chunk leave room in this step's budget for the
+        waiting head's prompt (budget reservation, only when ``may_displace``)? Never, by
+        default. Shrinking a chunk loses no work, so live state may decide."""
+        return False
+
     def same_step_hit_ok(self, _req: Request, _owner: Request) -> bool:
         """May a request hit blocks that their owner computes in this very step? Only if nobody
         scanned after the request in this step can displace the owner (a displaced owner never
@@ -111,6 +117,9 @@ class PriorityPolicy(SchedulingPolicy):
 
     def displaces(self, waiting: Request, victim: Request) -> bool:
         return victim.priority > waiting.priority
+
+    def yields_budget(self, running: Request, waiting: Request) -> bool:
+        return running.priority > waiting.priority
 
     def same_step_hit_ok(self, req: Request, owner: Request) -> bool:
         # The scan goes in priority order: everyone after req is no more important than req,

@@ -53,7 +53,8 @@ class _Step:
 
     __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
                  "swap_out", "swap_in", "num_prefill_tokens", "moves", "spec", "cached_from",
-                 "provisional", "initial_budget", "max_seqs", "swap_out_int8", "swap_in_int8")
+                 "provisional", "initial_budget", "max_seqs", "swap_out_int8", "swap_in_int8",
+                 "reserve_for", "reserve")
 
     def __init__(self, budget: int, max_seqs: int = 1 << 30) -> None:
         self.budget = budget
@@ -77,6 +78,10 @@ class _Step:
         # and the owner of every such block (see _same_step_hits).
         self.cached_from: dict[str, int] = {}
         self.provisional: dict[int, Request] = {}
+        # Budget reservation (phase 1 only): the waiting head that running prefills the
+        # policy puts after it leave room for, and how much (-1: not sized yet).
+        self.reserve_for: Request | None = None
+        self.reserve = -1
 
 
 class Scheduler:
@@ -252,6 +257,8 @@ class Scheduler:
         bs = self.cache_config.block_size
         scheduled = step.scheduled
         charge = self.policy.charge  # per-tenant service accounting (None: not needed)
+        if self.policy.may_displace and self.waiting and not self.swapped:
+            step.reserve_for = self.waiting.peek()  # see _prefill_budget
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
@@ -295,6 +302,7 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next request
             self._mark_scheduled(req, n, new_blocks, step)
             i += 1
+        step.reserve_for = None
 
         # --- 2. swapped requests come back first, if memory is not under pressure ---------
         if not step.preempted:
@@ -383,14 +391,38 @@ class Scheduler:
         n = remaining
         if n > 1 and cfg.long_prefill_token_threshold and cfg.enable_chunked_prefill:
             n = min(n, cfg.long_prefill_token_threshold)
-        if n > step.budget:
-            if not cfg.enable_chunked_prefill:
+        budget = step.budget if step.reserve_for is None else self._prefill_budget(req, step)
+        if n > budget:
+            if not cfg.enable_chunked_prefill or budget == 0:
                 return 0
-            n = step.budget
+            n = budget
         if n < remaining:  # a partial prefill
             if step.num_partial >= cfg.max_num_partial_prefills:
                 return 0
         return n
+
+    def _prefill_budget(self, req: Request, step: _Step) -> int:
+        """Budget reservation: the budget a running request's prefill chunk may take when the
+        head of ``waiting`` is a request the policy serves before it (``fair``: a less-served
+        tenant; ``priority``: a more important request). It leaves room for the head's prompt
+        (up to ``long_prefill_token_threshold``) so that the head starts this step instead of
+        waiting behind a long prompt's chunks; decodes never yield, nothing is preempted and
+        the step's budget is never exceeded. Nothing is reserved for a head that cannot be
+        admitted this step (no free sequence slot and nobody it may displace)."""
+        head = step.reserve_for
+        if head is None or req is head or not self.policy.yields_budget(req, head):
+            return step.budget
+        if step.reserve < 0:  # sized once, at the first request that yields
+            step.reserve = 0
+            running = self.running
+            if len(running) < step.max_seqs or (running and self.policy.displaces(
+                    head, self.policy.victim(running))):
+                cfg = self.config
+                need = head.num_tokens - head.num_computed_tokens
+                if cfg.long_prefill_token_threshold:
+                    need = min(need, cfg.long_prefill_token_threshold)
+                step.reserve = need
+        return max(0, step.budget - step.reserve)
 
     def _at_length_cap(self, req: Request, num_tokens: int) -> bool:
         """Whether ``num_tokens`` (placeholders included) already reach the request's
