@@ -11,10 +11,12 @@ Per step, around the runner's own forward pass:
      rejection sampler; accepted tokens are appended to the rows, the rows' progress is rolled
      back past the rejected drafts and block tables drop the blocks that held only rejected
      tokens (the scheduler frees the same blocks: ``blocks_for_tokens``); then the proposer
-     drafts the next tokens of every sampled request, as many as the adaptive length allows.
+     drafts the next tokens of every sampled request, as many as the adaptive length allows
+     (cost-aware: ``step_cost.StepCostModel`` times each step from ``begin`` to ``sample``).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from llmtower.executor.sampler import Sampler
 from llmtower.spec_decode.adaptive import AdaptiveDraftLength
 from llmtower.spec_decode.config import SpeculativeConfig
 from llmtower.spec_decode.proposer import Proposer, make_proposer
+from llmtower.spec_decode.step_cost import StepCostModel
 from llmtower.utils import cdiv
 
 
@@ -71,9 +74,12 @@ class SpecDecodeStep:
         # A model-based proposer (draft model) follows every forward pass and drafts from the
         # runner's rows; the others draft from token histories.
         self.needs_batch = bool(getattr(self.proposer, "needs_batch", False))
+        self.cost = StepCostModel()
+        self._step_start = 0.0
 
     # ------------------------------------------------------------------ before the forward
     def begin(self, so: SchedulerOutput, req_ids: list[str], batch: InputBatch) -> np.ndarray:
+        self._step_start = time.perf_counter()
         if self.needs_batch:
             self.proposer.begin(so)  # type: ignore[attr-defined]  # draft cache block moves
         for rid in so.finished_req_ids:
@@ -102,6 +108,9 @@ class SpecDecodeStep:
                block_size: int) -> ModelRunnerOutput:
         """``logits``: k_i + 1 rows per sampled request (in ``req_ids`` order); ``inputs``
         the runner's ``StepInputs``; ``num_spec`` drafts per scheduled request."""
+        # The forward pass just ended: its cost sets what a draft row must earn next step.
+        self.cost.observe(int(inputs.meta.num_tokens), time.perf_counter() - self._step_start)
+        self.adaptive.set_min_acceptance(self.cost.min_acceptance(len(req_ids)))
         if self.needs_batch:
             self.proposer.observe_step(inputs.input_ids, inputs.positions,  # type: ignore[attr-defined]
                                        inputs.meta)
@@ -129,7 +138,8 @@ class SpecDecodeStep:
             accepted = self.rejection(logits, offsets[drafted], drafts, rows[drafted], batch, q)
             for j, toks, d in zip(drafted.tolist(), accepted, drafts):
                 results[j] = toks
-                self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1)
+                self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1,
+                                      independent=int(rows[j]) in batch.generators)
         self._append(results, rows, k, batch, block_size)
         # A grammar constrains one position per step (its bitmask): no drafts under it.
         constrained = getattr(so, "structured_output_request_ids", None) or {}
@@ -165,7 +175,10 @@ class SpecDecodeStep:
             rid = req_ids[i]
             if rid in constrained:
                 continue
-            kk = min(self.adaptive.num_drafts(rid), self.max_model_len - n)
+            # A seeded sampled request's tokens depend on its drafts: their length must not
+            # depend on the batch or the clock (cost-aware lengths), only on its own history.
+            kk = min(self.adaptive.num_drafts(rid, independent=row in batch.generators),
+                     self.max_model_len - n)
             if self.needs_batch and n + self.config.num_speculative_tokens > self.max_model_len:
                 kk = 0  # the draft loop runs every request K positions ahead
             if kk <= 0:
