@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
-from llmtower.models.linear import linear, silu_mul
+from llmtower.models.linear import linear, prepack, silu_mul
 from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
 from llmtower.models.rope import RotaryEmbedding
 
@@ -104,8 +104,11 @@ class LlamaForCausalLM:
             # GEMM multiplies by the int8 matrix's exact float32 value (7-bit integer times a
             # bfloat16 scale: exact in float32), so a request's logits do not depend on how
             # many others are sampled beside it, up to summation order.
-            self.lm_head_dense = (q_head.q.to(torch.float32)
-                                  * q_head.scale.to(QuantizedLinear.COMPUTE_DTYPE).float())
+            self.lm_head_dense = prepack(q_head.q.to(torch.float32)
+                                         * q_head.scale.to(QuantizedLinear.COMPUTE_DTYPE).float())
+        else:
+            # Its own packed copy when tied: the embedding lookup reads the plain table.
+            self.lm_head = _packed(self.lm_head)
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
@@ -137,20 +140,21 @@ class LlamaForCausalLM:
         up_w = take.linear(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
         gate = up = fused_gate_up = None
         if isinstance(gate_w, torch.Tensor) and isinstance(up_w, torch.Tensor):
-            gate, up = gate_w, up_w
+            gate, up = prepack(gate_w), prepack(up_w)
         else:
             fused = _fuse([gate_w, up_w])
             assert isinstance(fused, QuantizedLinear)
             fused_gate_up = fused
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=_fuse([q, k, v]), qkv_bias=qkv_bias,
-            o_proj=_fuse([take.linear(p + "self_attn.o_proj.weight", (c.hidden_size, h * hd))]),
+            qkv=_packed(_fuse([q, k, v])), qkv_bias=qkv_bias,
+            o_proj=_packed(_fuse([take.linear(p + "self_attn.o_proj.weight",
+                                              (c.hidden_size, h * hd))])),
             o_bias=o_bias,
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
             gate=gate, up=up,
-            down=_fuse([take.linear(p + "mlp.down_proj.weight",
-                                    (c.hidden_size, c.intermediate_size))]),
+            down=_packed(_fuse([take.linear(p + "mlp.down_proj.weight",
+                                            (c.hidden_size, c.intermediate_size))])),
             gate_up=fused_gate_up)
 
     @torch.inference_mode()
@@ -248,6 +252,12 @@ class LlamaForCausalLM:
             i = y.shape[1] // 2
             return apply_linear(F.silu(y[:, :i]).mul_(y[:, i:]), layer.down)
         return linear(silu_mul(x, layer.gate, layer.up), layer.down)
+
+
+def _packed(w: Weight) -> Weight:
+    """A float matrix in oneDNN's packed layout (``models/linear.py``); quantized ones as they
+    are."""
+    return prepack(w) if isinstance(w, torch.Tensor) else w
 
 
 def _fuse(parts: list[torch.Tensor | QuantizedTensor]) -> Weight:
