@@ -2,12 +2,15 @@
 tasks compete for them and takes them back when they leave."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from llmtower.engine.args import EngineArgs
 from llmtower.executor import cpu_threads
 from llmtower.executor.cpu_threads import ThreadGovernor, available_cpus, cgroup_cpu_limit
+from llmtower.kernels.build import KernelUnavailable
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +72,8 @@ def test_one_brief_task_does_not_flip_the_count():
 def test_before_step_samples_other_runnable_tasks(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_running_total", lambda: 5)
     monkeypatch.setattr(cpu_threads, "_own_running", lambda: 2)  # 3 others
+    clock = iter(range(100, 200))  # a step every second
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: float(next(clock)))
     g = ThreadGovernor(max_threads=2, interval_s=0.0)
     g._outside = 0
     g.enabled = True
@@ -76,3 +81,143 @@ def test_before_step_samples_other_runnable_tasks(monkeypatch):
         g.before_step()
     assert g.threads == 1
     assert g.others > 2
+
+
+# ------------------------------------------------------------------ reaction time
+def test_first_look_after_an_idle_spell_decides_alone():
+    # A server idle for two seconds gets a request while a neighbour spins: the first step
+    # already runs on one thread (no collapsed steps while a smoothed average catches up).
+    g = ThreadGovernor(max_threads=2)
+    g.observe(0, dt=None)
+    g.observe(1, dt=2.0)
+    assert g.threads == 1 and torch.get_num_threads() == 1
+
+
+def test_samples_close_together_are_smoothed():
+    g = ThreadGovernor(max_threads=2)
+    g.observe(1, dt=0.01)  # one runnable task seen for a moment: not a neighbour yet
+    assert g.threads == 2
+    for _ in range(30):  # ...but one that stays is one, within a fraction of a second
+        g.observe(1, dt=0.01)
+    assert g.threads == 1
+
+
+def test_governor_follows_a_neighbour_over_time(monkeypatch):
+    """A simulated machine: the engine's two threads run, a neighbour comes and goes."""
+    clock = [100.0]
+    neighbour = [0]
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cpu_threads, "_running_total", lambda: 2 + neighbour[0])
+    monkeypatch.setattr(cpu_threads, "_own_running", lambda: 2)
+    g = ThreadGovernor(max_threads=2, interval_s=0.1)
+    g._outside = 0
+    g.enabled = True
+
+    def run(seconds: float, step_s: float = 0.02) -> list[int]:
+        seen = []
+        end = clock[0] + seconds
+        while clock[0] < end:
+            seen.append(g.before_step())
+            clock[0] += step_s
+        return seen
+
+    assert set(run(1.0)) == {2}
+    neighbour[0] = 1
+    shed = run(1.0)
+    assert shed[-1] == 1 and shed.index(1) <= 25  # shed within half a second
+    neighbour[0] = 0
+    back = run(2.0)
+    assert back[-1] == 2 and back.index(2) <= 50
+    assert g.num_changes == 2
+
+
+# ------------------------------------------------------------------ --cpu-bind
+def test_parse_cpu_list():
+    assert cpu_threads.parse_cpu_list("0-3,6, 8-9") == [0, 1, 2, 3, 6, 8, 9]
+    with pytest.raises(ValueError, match="runs backwards"):
+        cpu_threads.parse_cpu_list("3-1")
+    with pytest.raises(ValueError, match="not a CPU number"):
+        cpu_threads.parse_cpu_list("0,x")
+    with pytest.raises(ValueError, match="twice"):
+        cpu_threads.parse_cpu_list("0-2,1")
+
+
+def test_resolve_cpu_bind(monkeypatch):
+    monkeypatch.delenv(cpu_threads.BIND_ENV, raising=False)
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda: None)
+    allowed = [2, 3, 4, 5]
+    resolve = cpu_threads.resolve_cpu_bind
+    assert resolve("", 0, allowed) == () and resolve("none", 0, allowed) == ()
+    assert resolve("3,5", 0, allowed) == (3, 5)
+    assert resolve("2-5", 2, allowed) == (2, 3)  # fewer threads: the first CPUs
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(allowed), raising=False)
+    assert resolve("auto", 0, allowed) == (2, 3, 4, 5)
+    assert resolve("auto", 3, allowed) == (2, 3, 4)
+    with pytest.raises(ValueError, match=r"CPU\(s\) 0-1,7 are outside this process's "
+                                         r"affinity \(2-5"):
+        resolve("0-1,4,7", 0, allowed)
+    with pytest.raises(ValueError, match="holds 2 CPUs but --num-threads is 3"):
+        resolve("2,3", 3, allowed)
+    with pytest.raises(ValueError, match="auto: 6 threads"):
+        resolve("auto", 6, allowed)
+    monkeypatch.setenv(cpu_threads.BIND_ENV, "4")
+    assert resolve("", 0, allowed) == (4,)  # the environment variable, as vLLM's
+    assert resolve("none", 0, allowed) == ()  # the flag wins
+
+
+def test_engine_args_refuse_cpus_outside_the_affinity(monkeypatch):
+    monkeypatch.delenv(cpu_threads.BIND_ENV, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    with pytest.raises(ValueError, match=r"--cpu-bind 0-3: CPU\(s\) 2-3 are outside"):
+        EngineArgs(model="fake", cpu_bind="0-3")
+    args = EngineArgs(model="fake", cpu_bind="1")
+    assert args.threads == 1 and args.cpu_bind_cpus() == (1,)
+    assert EngineArgs(model="fake", cpu_bind="auto", num_threads=1).cpu_bind_cpus() == (0,)
+    with pytest.raises(ValueError, match="data-parallel"):
+        EngineArgs(model="fake", cpu_bind="auto", data_parallel_size=2)
+
+
+def test_governor_pins_on_its_first_step_and_repins_when_it_sheds(monkeypatch):
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(cpu_threads, "bind_threads", calls.append)
+    monkeypatch.setattr(cpu_threads, "_running_total", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "_own_running", lambda: 2)  # nobody else
+    g = ThreadGovernor(max_threads=2, bind=(1, 0), interval_s=1e9)
+    g._outside = 0
+    g.before_step()
+    g.before_step()
+    assert calls == [(1, 0)]  # once, not every step
+    for _ in range(6):
+        g.observe(1)
+    assert calls == [(1, 0), (1,)]
+    fixed = ThreadGovernor(max_threads=2, adaptive=False, bind=(0, 1))
+    fixed.before_step()
+    assert calls[-1] == (0, 1) and not fixed.enabled
+
+
+def _reset_affinity(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+def test_bind_threads_pins_the_openmp_pool():
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = tuple(reversed(allowed[:2]))
+    torch.set_num_threads(len(cpus))
+    try:
+        cpu_threads.bind_threads(cpus)
+    except KernelUnavailable as e:
+        pytest.skip(f"no C compiler: {e}")
+    try:
+        assert os.sched_getaffinity(0) == {cpus[0]}  # the calling thread is thread 0
+        pinned = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+        for c in cpus:
+            assert {c} in pinned
+        # torch's own parallel regions still run, on the pinned team
+        a = torch.randn(256, 256)
+        torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(), rtol=1e-4, atol=1e-3)
+    finally:
+        _reset_affinity(set(allowed))

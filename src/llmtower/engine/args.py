@@ -136,6 +136,11 @@ class EngineArgs:
     num_threads: int = _f(0, "torch CPU threads of each engine (0: the CPUs this process may "
                                  "use, shared out between data-parallel engines, and fewer "
                                  "while other processes compete for them)")
+    cpu_bind: str = _f("", "pin each engine thread to one CPU (vLLM's VLLM_CPU_OMP_THREADS_BIND): "
+                       "'none', 'auto' (the first CPUs of this process's affinity) or a list "
+                       "such as 0-3 or 0,2 (sets the thread count when --num-threads is 0); "
+                       "default: $LLMTOWER_CPU_OMP_THREADS_BIND, else none. For hosts whose "
+                       "cores are the engine's alone: see docs/performance.md")
     attention_backend: str = _f("auto", "decode attention: 'c' (a C kernel built on first use), "
                                 "'torch' (pure PyTorch) or 'auto' (c where it builds)",
                                 choices=["auto", "c", "torch"])
@@ -256,6 +261,9 @@ class EngineArgs:
             raise ValueError(f"--preload-prompts {self.preload_prompts!r}: no such file")
         if self.num_threads < 0:
             raise ValueError(f"num_threads={self.num_threads} is invalid: use 0 (all cores) or more")
+        if self.cpu_bind_cpus() and self.data_parallel_size > 1:
+            raise ValueError("--cpu-bind with --data-parallel-size > 1 is not supported (each "
+                             "engine would need its own CPUs): leave --cpu-bind out")
         if self.dp_sync_interval < 1:
             raise ValueError(f"dp_sync_interval={self.dp_sync_interval} is invalid: use 1 or more")
         if not self.dp_timeout > 0:
@@ -305,7 +313,13 @@ class EngineArgs:
     def threads(self) -> int:
         # The CPUs this process may use (affinity, cgroup quota), not the machine's count.
         from llmtower.executor.cpu_threads import available_cpus
-        return self.num_threads or available_cpus()
+        return self.num_threads or len(self.cpu_bind_cpus()) or available_cpus()
+
+    def cpu_bind_cpus(self) -> tuple[int, ...]:
+        """The CPUs --cpu-bind pins threads 0, 1, ... to; () when not pinned. ValueError for
+        CPUs outside this process's affinity."""
+        from llmtower.executor.cpu_threads import resolve_cpu_bind
+        return resolve_cpu_bind(self.cpu_bind, self.num_threads)
 
     def create_scheduler_config(self, max_model_len: int,
                                 max_model_len_reason: str = "") -> SchedulerConfig:

@@ -119,7 +119,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
                            attention_backend=args.attention_backend,
                            quantization=args.quantization,
-                           adaptive_threads=0 if args.num_threads else args.threads)
+                           adaptive_threads=0 if args.num_threads else args.threads,
+                           cpu_bind=args.cpu_bind_cpus())
     del state_dict
     if args.speculative is not None:
         from llmtower.spec_decode.setup import attach_spec_decode

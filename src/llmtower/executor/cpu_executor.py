@@ -25,7 +25,8 @@ class CPUExecutor:
                  state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
                  seed: int = 0, attention_backend: str = "auto",
-                 quantization: str = "none", adaptive_threads: int = 0) -> None:
+                 quantization: str = "none", adaptive_threads: int = 0,
+                 cpu_bind: tuple[int, ...] = ()) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
         self.model_config = model_config
@@ -39,8 +40,12 @@ class CPUExecutor:
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, seed,
                                   attention_backend)
         self.num_steps = 0
-        # --num-threads left to the engine: up to this many threads, fewer under contention.
-        self.thread_governor = ThreadGovernor(adaptive_threads) if adaptive_threads else None
+        # --num-threads left to the engine: up to this many threads, fewer under contention;
+        # --cpu-bind: those threads pinned, one CPU each (a fixed count is pinned too).
+        self.thread_governor: ThreadGovernor | None = None
+        if adaptive_threads or cpu_bind:
+            self.thread_governor = ThreadGovernor(adaptive_threads or len(cpu_bind),
+                                                  adaptive=bool(adaptive_threads), bind=cpu_bind)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
