@@ -18,6 +18,12 @@ would give; on a machine shared with other jobs the wall-clock ratio is mostly n
     .venv/bin/python benchmarks/spec_decode.py                     # ngram and suffix
     .venv/bin/python benchmarks/spec_decode.py --methods ngram --reps 3 --max-tokens 128
     .venv/bin/python benchmarks/spec_decode.py --output-json /tmp/spec.json
+    .venv/bin/python benchmarks/spec_decode.py --methods layerskip --layerskip-layers 8
+
+``layerskip``: the draft_model method with a self-speculative draft built in memory from the
+target itself (LayerSkip-style early exit): its first N layers, then its own final norm and
+lm_head, sharing the tokenizer. SmolLM2 was not trained for early exit, so acceptance is
+whatever its intermediate layers happen to predict.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import torch
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.llm import LLM
 from llmtower.spec_decode.config import SpeculativeConfig
+from llmtower.spec_decode.runner_step import SpecDecodeStep
 from llmtower.spec_decode.setup import attach_spec_decode
 
 PASSAGE = (
@@ -92,6 +99,8 @@ def parse_args() -> argparse.Namespace:
                    help="comma-separated: ngram, suffix, draft_model (needs --draft-model)")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--draft-model", default=None, help="the draft model for draft_model")
+    p.add_argument("--layerskip-layers", type=int, default=8,
+                   help="layers of the target kept in the layerskip draft")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--reps", type=int, default=1, help="repetitions (the median is kept)")
     p.add_argument("--threads", type=int, default=2)
@@ -110,15 +119,40 @@ def spec_config(method: str, args: argparse.Namespace) -> SpeculativeConfig | No
         kw.update(prompt_lookup_min=2, prompt_lookup_max=5)
     if method == "draft_model":
         kw["model"] = args.draft_model
+    if method == "layerskip":  # a draft_model whose model is built in memory (attach_layerskip)
+        kw.update(method="draft_model", model=f"{args.model} (first {args.layerskip_layers} layers)")
     return SpeculativeConfig(**kw)
 
 
+def attach_layerskip(runner, cfg: SpeculativeConfig, num_layers: int, model_name: str) -> None:
+    """The target's first ``num_layers`` layers + its final norm and lm_head as the draft."""
+    import dataclasses
+
+    from llmtower.models.llama import LlamaForCausalLM
+    from llmtower.models.loader import load_model_config, load_state_dict, resolve_model_path
+    from llmtower.spec_decode.draft_model import DraftModelProposer
+
+    target = runner.model
+    path = resolve_model_path(model_name)
+    mc = dataclasses.replace(load_model_config(path), num_hidden_layers=num_layers)
+    keep = tuple(f"model.layers.{i}." for i in range(num_layers))
+    state = {k: v for k, v in load_state_dict(path, target.dtype).items()
+             if not k.startswith("model.layers.") or k.startswith(keep)}
+    draft = LlamaForCausalLM(mc, state, target.dtype, runner.max_model_len)
+    proposer = DraftModelProposer(draft, runner, cfg.num_speculative_tokens)
+    runner.spec_decode = SpecDecodeStep(cfg, runner.sampler, runner.max_model_len, proposer)
+
+
+
 def run_once(llm: LLM, prompts: list, mode: str, cfg: SpeculativeConfig | None,
-             max_tokens: int) -> dict:
+             max_tokens: int, layerskip: int = 0, model_name: str = "") -> dict:
+    """One run; ``layerskip``: the draft is the target's first that many layers."""
     core = llm.engine_core
     runner = core.executor.runner
     runner.spec_decode = None
-    if cfg is not None:
+    if cfg is not None and layerskip:
+        attach_layerskip(runner, cfg, layerskip, model_name)
+    elif cfg is not None:
         attach_spec_decode(core.executor, cfg, dtype=runner.model.dtype)
     core.reset_prefix_cache()
     sched = core.scheduler
@@ -162,7 +196,9 @@ def main() -> None:
             for _ in range(args.reps):
                 for m in methods:
                     runs[m].append(run_once(llm, workloads[wl], mode, spec_config(m, args),
-                                            args.max_tokens))
+                                            args.max_tokens,
+                                            args.layerskip_layers if m == "layerskip" else 0,
+                                            args.model))
                     r = runs[m][-1]
                     print(f"  {wl}/{mode}/{m}: {r['tok_s']:.1f} tok/s, {r['tok_cpu_s']:.1f} tok per "
                           f"CPU-s, {r['output_tokens']} tokens in {r['elapsed_s']:.1f} s",
