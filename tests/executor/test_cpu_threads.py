@@ -221,3 +221,20 @@ def test_bind_threads_pins_the_openmp_pool():
         torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(), rtol=1e-4, atol=1e-3)
     finally:
         _reset_affinity(set(allowed))
+
+
+def test_after_idle_a_task_runnable_for_a_moment_is_not_a_neighbour(monkeypatch):
+    # The API process that just handed over a request is runnable at the first look, asleep
+    # a moment later; a busy neighbour is runnable at every look.
+    clock = [100.0]
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cpu_threads.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(cpu_threads, "_own_running", lambda: 1)
+    g = ThreadGovernor(max_threads=2)
+    g._outside = 0
+    g.enabled = True
+    looks = iter([2, 1, 1, 2, 2, 2])
+    monkeypatch.setattr(cpu_threads, "_running_total", lambda: next(looks))
+    assert g.before_step() == 2  # looks 2, 1, 1: nobody else
+    clock[0] += 10.0  # idle for ten seconds, then a neighbour is there at every look
+    assert g.before_step() == 1
