@@ -119,6 +119,19 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert tokens == [7]  # with ignore_eos, EOS is not a stop token, so it is not masked
 
 
+def test_min_tokens_masks_only_its_own_rows_beside_bias_and_plain_rows():
+    masked = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[1], max_tokens=8,
+                            logprobs=1)
+    biased = SamplingParams(temperature=0.0, min_tokens=3, logit_bias={2: 5.0}, max_tokens=8)
+    plain = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens, lps = sample(masked, biased, plain, masked, outputs=(4,))
+    # masked: EOS and 1 at -inf -> 5; biased: 2 (2.5 + 5) beats all; plain: EOS.
+    assert tokens == [5, 2, 7, 5]
+    # The reported logprob is the raw distribution's, not the masked one's.
+    assert lps is not None and lps[0] is not None
+    assert lps[0].logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[5]))
+
+
 def test_logprobs_of_the_raw_distribution():
     sp = SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0)
     tokens, lps = sample(sp, SamplingParams(temperature=0.0), prompt=(7,))

@@ -52,26 +52,39 @@ class Sampler:
 
     # ------------------------------------------------------------------ logits processing
     def _process(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
+        """logit_bias, min_tokens and the penalties, in place: the logits are this step's own
+        (the raw logprobs were taken before), and a copy of a [64, 49152] float32 block costs
+        more than the rest of the sampling of a greedy step."""
         needs = np.flatnonzero(batch.needs_processing[rows])
         if needs.size == 0:
             return logits
-        logits = logits.clone()
-        for i in needs:
-            self._process_row(logits[i], int(rows[i]), batch)
+        # min_tokens sets its stop tokens to -inf, which no bias or penalty moves: one masked
+        # write for all rows, after the per-row work.
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i in needs.tolist():
+            row = int(rows[i])
+            stop_ids = batch.stop_ids_for_min_tokens.get(row)
+            if stop_ids and (batch.num_tokens[row] - batch.num_prompt_tokens[row]
+                             < batch.min_tokens[row]):
+                mask_rows += [i] * len(stop_ids)
+                mask_ids += stop_ids
+            if (row in batch.logit_bias or batch.repetition_penalty[row] != 1.0
+                    or batch.presence_penalty[row] != 0.0 or batch.frequency_penalty[row] != 0.0):
+                self._process_row(logits[i], row, batch)
+        if mask_rows:
+            logits[torch.tensor(mask_rows), torch.tensor(mask_ids)] = float("-inf")
         return logits
 
     @staticmethod
     def _process_row(row_logits: torch.Tensor, row: int, batch: InputBatch) -> None:
-        """Penalties and min_tokens of one request, in place (rare, so per row)."""
+        """logit_bias and the penalties of one request, in place (rare, so per row)."""
         num_prompt = int(batch.num_prompt_tokens[row])
         num_tokens = int(batch.num_tokens[row])
         bias = batch.logit_bias.get(row)
         if bias is not None:
             ids, values = bias
             row_logits[ids] += values.to(row_logits.dtype)
-        stop_ids = batch.stop_ids_for_min_tokens.get(row)
-        if stop_ids and num_tokens - num_prompt < batch.min_tokens[row]:
-            row_logits[stop_ids] = float("-inf")
         rep = float(batch.repetition_penalty[row])
         if rep != 1.0:
             seen = torch.from_numpy(np.unique(batch.token_ids[row, :num_tokens]).astype(np.int64))
