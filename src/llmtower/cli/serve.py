@@ -62,11 +62,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
 
 
+_THREADS_EPILOG = """threads:
+  By default (--num-threads 0) the engine uses the CPUs this process may use (taskset,
+  cpuset, cgroup CPU quota) and sheds threads while other processes are runnable on them,
+  taking them back when they leave: a busy neighbour costs a fair share, not a collapse.
+  --num-threads N fixes the count (no shedding: for cores that are the engine's alone);
+  --cpu-bind auto|LIST (or $LLMTOWER_CPU_OMP_THREADS_BIND) pins one thread per CPU.
+  OMP_WAIT_POLICY / GOMP_SPINCOUNT are obeyed when set. See docs/performance.md."""
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API "
-                       "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
-                       "/metrics, ...).")
+                       "(/v1/completions, /v1/chat/completions,\n/v1/responses, /v1/models, "
+                       "/metrics, ...).", epilog=_THREADS_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cli_args(p)
     p.set_defaults(handler=run)
 
