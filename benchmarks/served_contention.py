@@ -19,9 +19,9 @@ Every process started here (server, neighbours) runs in its own process group an
 the way out, Ctrl-C included. "Quiet" means "without our neighbour": each figure is printed with
 the load average and the share of the CPU other processes took while it ran.
 
-    .venv/bin/python benchmarks/served_contention.py                  # everything (~6 min)
+    .venv/bin/python benchmarks/served_contention.py                  # everything (~5 min quiet)
     .venv/bin/python benchmarks/served_contention.py --neighbours spin --skip-w1 --rounds 1
-    .venv/bin/python benchmarks/served_contention.py --serve-args "--num-threads 2 --cpu-bind none"
+    .venv/bin/python benchmarks/served_contention.py --also "--num-threads 2" --also "--cpu-bind auto"
 """
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--serve-args", default="", help="extra `llmtower serve` flags (default none)")
+    p.add_argument("--also", action="append", default=[], metavar="SERVE_ARGS",
+                   help="another server configuration measured the same way, after the first "
+                   "(repeatable), e.g. --also '--num-threads 2' (the fixed team that collapses)")
     p.add_argument("--neighbours", default="spin,monotonic,gemm,sleepy,two",
                    help=f"comma-separated, from {', '.join(NEIGHBOURS)}")
     p.add_argument("--input-len", type=int, default=144)
@@ -181,13 +184,14 @@ def stream_once(client: httpx.Client, url: str, model: str, prompt: list[int],
             "e2e_tok_s": output_len / (end - t0)}
 
 
-def served_part(args: argparse.Namespace, names: list[str]) -> dict[str, list[dict]]:
+def served_part(args: argparse.Namespace, serve_args: str, names: list[str]
+                ) -> dict[str, list[dict]]:
     import numpy as np
 
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    serve = ["--model", args.model, *shlex.split(args.serve_args)]
+    serve = ["--model", args.model, *shlex.split(serve_args)]
     print(f"starting `llmtower serve {' '.join(serve)}` on port {port}", flush=True)
     server = start_server(serve, port, out_dir / "server.log")
     res: dict[str, list[dict]] = {}
@@ -288,7 +292,7 @@ def main() -> None:
     try:
         print(f"uptime load {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} on "
               f"{os.cpu_count()} CPUs", flush=True)
-        report["served"] = served_part(args, names)
+        report["served"] = {c: served_part(args, c, names) for c in [args.serve_args, *args.also]}
         if not args.skip_w1:
             print("W1 offline (64 prompts, 32-256 in, 128 out), default threads", flush=True)
             report["w1"] = w1_part(args)
@@ -297,17 +301,17 @@ def main() -> None:
             _kill_group(p)
     load_end = os.getloadavg()
     report["load_end"] = load_end
-    served = report["served"]
-    quiet = _median(served["quiet"], "decode_tok_s")
-    print(f"\nserved one stream (`llmtower serve --model {args.model} {args.serve_args}`, "
-          f"{args.input_len} in / {args.output_len} out, {args.rounds} rounds, medians); "
-          f"load average {load_start[0]:.2f} -> {load_end[0]:.2f} on {os.cpu_count()} CPUs")
-    print("| neighbour | decode tok/s | vs quiet | TTFT ms | others' CPU share |")
-    print("|---|---|---|---|---|")
-    for cond, rows in served.items():
-        d = _median(rows, "decode_tok_s")
-        print(f"| {cond} | {d:.1f} | {d / quiet:.2f}x | {_median(rows, 'ttft_s') * 1e3:.0f} | "
-              f"{_median(rows, 'others'):.0%} |")
+    for config, served in report["served"].items():
+        quiet = _median(served["quiet"], "decode_tok_s")
+        print(f"\nserved one stream (`llmtower serve --model {args.model} {config}`, "
+              f"{args.input_len} in / {args.output_len} out, {args.rounds} rounds, medians); "
+              f"load average {load_start[0]:.2f} -> {load_end[0]:.2f} on {os.cpu_count()} CPUs")
+        print("| neighbour | decode tok/s | vs quiet | TTFT ms | others' CPU share |")
+        print("|---|---|---|---|---|")
+        for cond, rows in served.items():
+            d = _median(rows, "decode_tok_s")
+            print(f"| {cond} | {d:.1f} | {d / quiet:.2f}x | {_median(rows, 'ttft_s') * 1e3:.0f} "
+                  f"| {_median(rows, 'others'):.0%} |")
     if "w1" in report:
         w1 = report["w1"]
         q, b = _median(w1["quiet"], "tok_s"), _median(w1["spin"], "tok_s")
