@@ -1,13 +1,15 @@
 """--async-scheduling against the serial step loop, offline, in one run.
 
 Two engines over the same weights, one serial and one with async scheduling (step N+1
-scheduled while step N's forward pass runs on a worker thread), alternate on the same
-greedy, EOS-ignoring workloads:
+scheduled while step N's forward pass runs on a worker thread), each in its own process (so
+that their OpenMP thread pools never meet), take turns on the same greedy, EOS-ignoring
+workloads:
   - one stream: one prompt of --stream-input-len tokens, --output-len new tokens;
   - batch: --num-prompts prompts of random lengths in --input-len-range, --output-len each
     (W1's shape).
-Each (workload, mode) runs --repeats times, interleaved, and the best output tok/s of each is
-printed with the async/serial ratio, whether both produced the same tokens, and `uptime`'s load
+Each (workload, mode) runs --repeats times, interleaved (the order flips every repeat), and the
+median output tok/s of each is printed with the async/serial ratio, the CPU time of this
+process per output token (all its threads: less disturbed by other jobs than wall time), whether both produced the same tokens, and `uptime`'s load
 before and after (this is a shared 2-core machine; ratios from one run are what to compare).
 Also printed: the share of the serial engine's wall time spent in ``schedule()`` and
 ``update_from_output()`` -- the host-side work that async scheduling can hide behind the
@@ -19,6 +21,7 @@ forward pass, hence about the most it can gain.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import time
 
@@ -40,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len-range", default="32:256")
     p.add_argument("--stream-input-len", type=int, default=144)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workloads", default="stream,batch", help="stream, batch or both")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-memory", default="1GiB")
@@ -72,66 +76,101 @@ class HostTimer:
 
 
 def run(core: EngineCore, prompts: list[list[int]], output_len: int,
-        tag: str) -> tuple[float, float, list[list[int]]]:
-    """Output tok/s, seconds, and each request's tokens."""
+        tag: str) -> tuple[float, float, float, list[list[int]]]:
+    """Output tok/s, seconds, CPU ms per output token, and each request's tokens."""
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"{tag}-{i}", p, sp))
         tokens[f"{tag}-{i}"] = []
     while core.has_unfinished_requests():
         for o in core.step().outputs:
             tokens[o.request_id] += o.new_token_ids
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     out = list(tokens.values())
-    return sum(map(len, out)) / elapsed, elapsed, out
+    num_out = sum(map(len, out))
+    return num_out / elapsed, elapsed, 1000 * cpu / num_out, out
+
+
+def _fmt(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
+
+
+def engine_process(conn, args: argparse.Namespace, mode: bool) -> None:
+    """One engine (serial or async) in its own process: runs what the parent sends."""
+    model = str(synthetic_model_dir(args.model, seed=0)) if is_synthetic_model(args.model) \
+        else args.model
+    core = create_engine_core(EngineArgs(
+        model=model, dtype=args.dtype, num_threads=args.threads, seed=0,
+        kv_cache_memory=args.kv_cache_memory, async_scheduling=mode))
+    assert core.model_info is not None
+    host = HostTimer(core)
+    conn.send((core.model_info.vocab_size, core.model_info.num_threads))
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        prompts, output_len, tag = job
+        host0 = host.seconds
+        rate, secs, ms, out = run(core, prompts, output_len, tag)
+        core.reset_prefix_cache()  # each repeat computes its prompts afresh
+        conn.send((rate, ms, (host.seconds - host0) / secs, out))
+    core.shutdown()
 
 
 def main() -> None:
     args = parse_args()
-    model = str(synthetic_model_dir(args.model, seed=0)) if is_synthetic_model(args.model) \
-        else args.model
-    cores = {}
+    ctx = mp.get_context("spawn")
+    conns = {}
+    procs = []
     for mode in (False, True):
-        cores[mode] = create_engine_core(EngineArgs(
-            model=model, dtype=args.dtype, num_threads=args.threads, seed=0,
-            kv_cache_memory=args.kv_cache_memory, async_scheduling=mode))
-    info = cores[False].model_info
-    assert info is not None
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=engine_process, args=(child, args, mode), daemon=True)
+        proc.start()
+        procs.append(proc)
+        conns[mode] = parent
+    vocab_size, num_threads = conns[False].recv()
+    conns[True].recv()
     rng = np.random.default_rng(args.seed)
     lo, hi = (int(x) for x in args.input_len_range.split(":"))
-    workloads = {
-        "one stream": [rng.integers(0, info.vocab_size, args.stream_input_len).tolist()],
-        f"{args.num_prompts} prompts": [rng.integers(0, info.vocab_size, int(n)).tolist()
-                                        for n in rng.integers(lo, hi + 1, args.num_prompts)],
-    }
-    for core in cores.values():  # warm-up: first-call allocations, kernel selection
-        run(core, [workloads["one stream"][0][:16]], 4, "warmup")
-        core.reset_prefix_cache()
-    print(f"model {args.model}, {args.dtype}, {info.num_threads} threads; {load()}")
-    host = HostTimer(cores[False])
+    stream = [rng.integers(0, vocab_size, args.stream_input_len).tolist()]
+    batch = [rng.integers(0, vocab_size, int(n)).tolist()
+             for n in rng.integers(lo, hi + 1, args.num_prompts)]
+    chosen = args.workloads.split(",")
+    workloads = {name: prompts for key, name, prompts in (
+        ("stream", "one stream", stream), ("batch", f"{args.num_prompts} prompts", batch))
+        if key in chosen}
+    for mode in (False, True):  # warm-up: first-call allocations, kernel selection
+        conns[mode].send(([stream[0][:16]], 4, "warmup"))
+        conns[mode].recv()
+    print(f"model {args.model}, {args.dtype}, {num_threads} threads; {load()}")
     for name, prompts in workloads.items():
-        best: dict[bool, float] = {False: 0.0, True: 0.0}
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        cpu_ms: dict[bool, list[float]] = {False: [], True: []}
         same = True
         host_share = 1.0
         for r in range(args.repeats):
             outs = {}
-            for mode in (False, True):
-                host0 = host.seconds
-                rate, secs, outs[mode] = run(cores[mode], prompts, args.output_len,
-                                             f"{name}-{r}")
+            for mode in ((False, True) if r % 2 == 0 else (True, False)):
+                conns[mode].send((prompts, args.output_len, f"{name}-{r}"))
+                rate, ms, share, outs[mode] = conns[mode].recv()
                 if not mode:
-                    host_share = min(host_share, (host.seconds - host0) / secs)
-                cores[mode].reset_prefix_cache()  # each repeat computes its prompts afresh
-                best[mode] = max(best[mode], rate)
+                    host_share = min(host_share, share)
+                rates[mode].append(rate)
+                cpu_ms[mode].append(ms)
             same = same and outs[False] == outs[True]
-        print(f"{name:>12}: serial {best[False]:8.1f} output tok/s, async {best[True]:8.1f} "
-              f"output tok/s, ratio {best[True] / best[False]:.3f}, identical tokens: "
-              f"{'yes' if same else 'NO'}; serial schedule+update {100 * host_share:.1f}% "
-              f"of its time; {load()}")
-    for core in cores.values():
-        core.shutdown()
+        med = {m: float(np.median(v)) for m, v in rates.items()}
+        cpu = {m: float(np.median(v)) for m, v in cpu_ms.items()}
+        print(f"{name:>12}: serial {med[False]:7.1f} output tok/s, async {med[True]:7.1f} "
+              f"(ratio {med[True] / med[False]:.3f}; runs {_fmt(rates[False])} vs "
+              f"{_fmt(rates[True])}); CPU ms/token {cpu[False]:.2f} vs {cpu[True]:.2f}; "
+              f"identical tokens: {'yes' if same else 'NO'}; serial schedule+update "
+              f"{100 * host_share:.1f}% of its time; {load()}", flush=True)
+    for mode in (False, True):
+        conns[mode].send(None)
+    for proc in procs:
+        proc.join(timeout=60)
 
 
 if __name__ == "__main__":
