@@ -180,6 +180,7 @@ def test_engine_args_refuse_cpus_outside_the_affinity(monkeypatch):
 def test_governor_pins_on_its_first_step_and_repins_when_it_sheds(monkeypatch):
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(cpu_threads, "bind_threads", calls.append)
+    monkeypatch.setattr(cpu_threads, "_bind_library", lambda: None)
     monkeypatch.setattr(cpu_threads, "_running_total", lambda: 2)
     monkeypatch.setattr(cpu_threads, "_own_running", lambda: 2)  # nobody else
     g = ThreadGovernor(max_threads=2, bind=(1, 0), interval_s=1e9)
@@ -238,3 +239,27 @@ def test_after_idle_a_task_runnable_for_a_moment_is_not_a_neighbour(monkeypatch)
     assert g.before_step() == 2  # looks 2, 1, 1: nobody else
     clock[0] += 10.0  # idle for ten seconds, then a neighbour is there at every look
     assert g.before_step() == 1
+
+
+def test_an_engine_with_cpu_bind_runs_its_steps_on_the_listed_cpu(tiny_llama_dir, monkeypatch):
+    from llmtower.core.outputs import EngineCoreRequest
+    from llmtower.core.sampling_params import SamplingParams
+    from llmtower.engine.factory import create_engine_core
+
+    monkeypatch.delenv(cpu_threads.BIND_ENV, raising=False)
+    allowed = set(os.sched_getaffinity(0))
+    cpu = max(allowed)
+    try:
+        core = create_engine_core(EngineArgs(model=str(tiny_llama_dir), cpu_bind=str(cpu),
+                                             kv_cache_memory="1MiB", max_model_len=64))
+    except KernelUnavailable as e:
+        pytest.skip(f"no C compiler: {e}")
+    try:
+        assert core.model_info.num_threads == 1  # the list sets the count
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        while core.has_unfinished_requests():
+            core.step()
+        assert os.sched_getaffinity(0) == {cpu}  # the thread that ran the forward pass
+    finally:
+        _reset_affinity(allowed)
+        core.shutdown()

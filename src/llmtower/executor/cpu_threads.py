@@ -114,6 +114,8 @@ class ThreadGovernor:
         self.time_constant_s = time_constant_s
         self.adaptive = adaptive
         self.bind = bind
+        if bind:
+            _bind_library()  # at startup: without a C compiler --cpu-bind fails here, clearly
         self.threads = self.max_threads
         self.others = 0.0  # smoothed count of other runnable tasks on our CPUs
         self.num_changes = 0
@@ -233,11 +235,18 @@ def _ranges(cpus: list[int]) -> str:
     return ",".join(out)
 
 
+def _bind_library() -> ctypes.CDLL:
+    from llmtower.kernels.build import KernelUnavailable, load
+
+    try:
+        return load("cpu_bind")
+    except KernelUnavailable as e:
+        raise KernelUnavailable(f"--cpu-bind needs kernels/cpu_bind.c built: {e}") from e
+
+
 def bind_threads(cpus: tuple[int, ...]) -> None:
     """Pin OpenMP thread i of a team of ``len(cpus)`` (torch's pool) to ``cpus[i]``."""
-    from llmtower.kernels.build import load
-
-    lib = load("cpu_bind")
+    lib = _bind_library()
     arr = (ctypes.c_int * len(cpus))(*cpus)
     failed = lib.llmtower_bind_threads(arr, len(cpus))
     if failed:
