@@ -286,6 +286,8 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown neighbour(s) {bad}: choose from {', '.join(NEIGHBOURS)}")
     signal.signal(signal.SIGTERM, _on_signal)
+    # Ctrl-C even where a shell started us with SIGINT ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     load_start = os.getloadavg()
     report: dict = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                     "load_start": load_start, "serve_args": args.serve_args}
