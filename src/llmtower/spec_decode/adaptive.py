@@ -39,7 +39,8 @@ class _State:
 
 
 class AdaptiveDraftLength:
-    """Owns each request's acceptance average and decides its draft length every step."""
+    """Owns each request's acceptance average, the pooled average over all requests and the
+    step's threshold, and decides every request's draft length each step."""
 
     def __init__(self, max_k: int, min_acceptance: float, enabled: bool = True) -> None:
         self.max_k = max_k
