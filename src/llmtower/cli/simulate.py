@@ -18,7 +18,7 @@ from llmtower.engine.args import EngineArgs
 # Engine settings that mean nothing to a simulation (the model is a profile, threads are not
 # simulated, data parallelism is --num-replicas, KV memory is sized per device below).
 _SKIP_ENGINE_ARGS = ("model", "tokenizer", "served_model_name", "dtype", "num_threads",
-                     "attention_backend",
+                     "cpu_bind", "attention_backend",
                      "data_parallel_size", "kv_cache_memory")
 # Flags that define the workload or the outputs: --compare must not vary them, so every
 # variant replays the same trace.
