@@ -46,8 +46,8 @@ class EngineCore:
         if self.batch_queue is not None and req.sampling_params.structured_outputs is not None:
             # A grammar's mask for step N+1 needs step N's token, which is not known when
             # step N+1 is scheduled.
-            raise ValueError("structured outputs are not supported with --async-scheduling: "
-                             "restart the server without --async-scheduling to use them")
+            raise ValueError("structured outputs are not supported with --async-scheduling "
+                             "(async_scheduling=True): run the engine without it to use them")
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, priority=req.priority,
