@@ -211,6 +211,37 @@ def test_fair_idle_tenant_earns_no_credit():
     assert_all_free(e)
 
 
+def test_fair_returning_tenant_burst_is_not_held_behind_the_flood():
+    # The credit of a returning tenant is one step's budget (256), not max_model_len (64): a
+    # light tenant coming back with a burst of 4 requests (2 slots) runs the first two at
+    # once and the other two as soon as its own first ones finish. With 64 tokens of credit
+    # its counter passed the heavy tenant's while the first two ran, the freed slots went to
+    # heavy requests and the last two waited for those to finish (about 2x longer).
+    e = make_engine(policy="fair", num_blocks=256, max_num_seqs=2, enable_prefix_caching=False,
+                    max_num_batched_tokens=256, max_model_len=64)
+    s = e.scheduler
+    for i in range(40):
+        s.add_request(Request(f"h{i}", [1 + i % 7] * 8, SamplingParams(max_tokens=50,
+                              ignore_eos=True), eos_token_id=0, arrival_time=0.0, tenant="heavy"))
+    for _ in range(170):  # mid-way through the heavy requests running now
+        step(e)
+    assert s.policy.counters["heavy"] > 256
+    for i in range(4):
+        s.add_request(Request(f"l{i}", [2 + i] * 8, SamplingParams(max_tokens=50, ignore_eos=True),
+                              eos_token_id=0, arrival_time=1.0, tenant="light"))
+    first: dict[str, int] = {}
+    for k in range(1, 200):
+        so = step(e)
+        for rid in so.num_scheduled_tokens:
+            if rid.startswith("l"):
+                first.setdefault(rid, k)
+        if len(first) == 4:
+            break
+    assert first["l0"] == first["l1"] == 1  # at once, displacing the heavy requests
+    assert max(first.values()) <= 55  # right after its own first two finish (50 tokens)
+    assert s.num_preemptions >= 2
+
+
 def test_fair_tenant_stats_reach_get_stats():
     e = make_engine(policy="fair")
     s = e.scheduler
