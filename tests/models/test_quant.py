@@ -16,8 +16,9 @@ from llmtower.models.gguf_loader import gguf_model_config, gguf_state_dict, open
 from llmtower.models.gguf_quant import gguf_quantized_state_dict, quantized_tensor
 from llmtower.models.llama import LlamaForCausalLM
 from llmtower.models.loader import load_model_config, load_state_dict
-from llmtower.models.quant import (QuantizedLinear, QuantizedTensor, pack, quantize_int4,
-                                   quantize_int8)
+from llmtower.models.linear import linear
+from llmtower.models.quant import (DEQUANTIZE_MIN_ROWS, QuantizedLinear, QuantizedTensor, pack,
+                                   quantize_int4, quantize_int8)
 from llmtower.models.quant_loader import load_model_weights, resolve_gguf_path
 from tests.fixtures.tiny_gguf import write_gguf_from_hf_dir
 
@@ -66,13 +67,36 @@ def test_quantized_linear_multiplies_by_the_dequantized_matrix(kind, dtype):
     t = quantize_int4(w) if kind == "int4" else quantize_int8(w)
     lin = pack(t)
     bias = torch.randn(64).to(dtype)
-    for rows in (1, 7):
+    for rows in (1, 7, DEQUANTIZE_MIN_ROWS + 3):  # the last: dequantized once, oneDNN GEMM
         x = torch.randn(rows, 96).to(dtype)
         y = lin(x, bias)
         assert y.dtype == dtype and y.shape == (rows, 64)
         ref = x.float() @ t.dequantize().T + bias.float()
         # bfloat16 activations and scales: ~3 significant digits.
         torch.testing.assert_close(y.float(), ref, rtol=0.03, atol=0.05 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_many_rows_use_the_weight_dequantized_to_bfloat16_once(kind):
+    torch.manual_seed(1)
+    t = quantize_int4(torch.randn(64, 96)) if kind == "int4" else quantize_int8(torch.randn(64, 96))
+    lin = pack(t)
+    # The kernel's values with its bfloat16 scales, rounded once to bfloat16.
+    scale = t.scale.to(torch.bfloat16).float()
+    if kind == "int4":
+        zero = t.zero.to(torch.bfloat16).float()  # type: ignore[union-attr]
+        ref = ((t.q.float().view(64, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(64, 96)
+    else:
+        ref = t.q.float() * scale
+    w = lin.dequantized()
+    assert w.dtype == torch.bfloat16 and torch.equal(w, ref.to(torch.bfloat16))
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, 96, dtype=torch.bfloat16)
+    big = lin(x)
+    assert torch.equal(big, linear(x, w))
+    # Row for row close to what the kernel gives the same rows in smaller products.
+    small = torch.cat([lin(x[i:i + 64]) for i in range(0, DEQUANTIZE_MIN_ROWS, 64)])
+    torch.testing.assert_close(big.float(), small.float(), rtol=0.02,
+                               atol=0.01 * small.abs().max().item())
 
 
 def test_int4_shapes_the_kernel_cannot_take_fall_back_to_int8():
