@@ -23,7 +23,7 @@ def test_layout_at_float32_and_bfloat16_head_dim_64():
     # one (token, head) row: float32 256 B, bfloat16 128 B, int8 64 + 2 scales = 72 B
     f32 = plan_swap_layout(256 * 32, 72 * 32)
     assert f32 == SwapLayout(7, 2)  # 7 slots a block, 2 compressed: 3.5x
-    assert f32.slot_bytes(256 * 32, 72 * 32) * 2 / (72 * 32) < 1.02
+    assert f32.slot_bytes(256 * 32, 72 * 32) * 2 / (72 * 32) < 1.03  # padding included
     bf16 = plan_swap_layout(128 * 32, 72 * 32)
     assert bf16.slots_per_block / bf16.slots_per_compressed_block >= 1.7
     assert plan_swap_layout(72 * 32, 72 * 32) == PLAIN  # an int8 cache: nothing to gain

@@ -1,7 +1,7 @@
 """A CPU swap space cut into slots, holding swapped-out KV blocks either as they are in the
 cache or compressed to int8 (``core/kv_cache/swap_layout.py`` says how many slots each takes).
 
-    arenas[layer] : uint8 [num_slots, slot_bytes]
+    arenas[layer] : int64 [num_slots, slot_bytes / 8]   (bytes, copied as 8-byte words)
 
 A swapped block of one layer is its K and V rows, ``[2, block_size, kv_heads, width]``, laid
 out as bytes and cut into its slots in the order the scheduler listed them; the slots need not
@@ -40,7 +40,7 @@ class SlotSwapSpace:
         self.slot_bytes = layout.slot_bytes(self.block_bytes, self.compressed_block_bytes)
         self.num_slots = num_slots
         # Only read after written: uninitialized memory is fine.
-        self.arenas = [torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8)
+        self.arenas = [torch.empty((num_slots, self.slot_bytes // 8), dtype=torch.int64)
                        for _ in range(num_layers)]
 
     # ------------------------------------------------------------------ the two directions
@@ -87,16 +87,16 @@ class SlotSwapSpace:
             # (reshape(-1): a flat dense copy, whose bytes may be viewed whatever the strides)
             rows = x.transpose(0, 1).reshape(-1).view(torch.uint8).view(n, -1)
             rows = F.pad(rows, (0, per * self.slot_bytes - rows.shape[1]))
-            arena.index_copy_(0, slot_idx, rows.view(n * per, self.slot_bytes))
+            arena.index_copy_(0, slot_idx, rows.view(torch.int64).view(n * per, -1))
 
     def _read(self, caches: list[torch.Tensor], devs: list[int], slots: list[int],
               comp: bool) -> None:
-        n, per = len(devs), self.layout.slots_for(comp)
+        n = len(devs)
         dev_idx = torch.tensor(devs, dtype=torch.long)
         slot_idx = torch.tensor(slots, dtype=torch.long)
         nbytes = self.compressed_block_bytes if comp else self.block_bytes
         for cache, arena in zip(caches, self.arenas):
-            raw = arena.index_select(0, slot_idx).view(n, per * self.slot_bytes)[:, :nbytes]
+            raw = arena.index_select(0, slot_idx).view(torch.uint8).view(n, -1)[:, :nbytes]
             if comp:
                 q = raw.reshape(-1).view(torch.int8).view(n, *self.row_shape, -1)
                 x = dequantize(q.transpose(0, 1), cache.dtype, self.head_dim)
