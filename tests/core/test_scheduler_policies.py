@@ -242,6 +242,37 @@ def test_fair_returning_tenant_burst_is_not_held_behind_the_flood():
     assert s.num_preemptions >= 2
 
 
+def test_fair_tenant_arriving_at_an_empty_scheduler_is_owed_nothing():
+    # The light tenant was served alone (nobody else active), then everyone went idle; the
+    # heavy tenant arrives first, then the light one. Before, the heavy tenant started at 0
+    # while the light one kept its 2,000+ tokens, and the light tenant waited until the heavy
+    # one had been served as much: its request queued behind a flood it had no debt to.
+    e = make_engine(policy="fair", num_blocks=256, max_num_seqs=2, enable_prefix_caching=False,
+                    max_num_batched_tokens=64, max_model_len=64)
+    s = e.scheduler
+    for i in range(40):
+        s.add_request(Request(f"l{i}", [3] * 8, SamplingParams(max_tokens=50, ignore_eos=True),
+                              eos_token_id=0, arrival_time=0.0, tenant="light"))
+    run_to_completion(e)
+    served = s.policy.counters["light"]
+    assert served > 2000
+    for i in range(20):
+        s.add_request(Request(f"h{i}", [4] * 8, SamplingParams(max_tokens=50, ignore_eos=True),
+                              eos_token_id=0, arrival_time=1.0, tenant="heavy"))
+    # Lifted to the level of the last tenant that went idle, less one step's budget.
+    assert s.policy.counters["heavy"] == served - 64
+    for _ in range(10):
+        step(e)
+    s.add_request(Request("late", [5] * 8, SamplingParams(max_tokens=5, ignore_eos=True),
+                          eos_token_id=0, arrival_time=2.0, tenant="light"))
+    waited = 0
+    while "late" not in step(e).num_scheduled_tokens:
+        waited += 1
+    assert waited <= 50  # one heavy request's length at most, not 2,000 tokens of heavy service
+    run_to_completion(e)
+    assert_all_free(e)
+
+
 def test_fair_tenant_stats_reach_get_stats():
     e = make_engine(policy="fair")
     s = e.scheduler

@@ -136,6 +136,10 @@ class FairPolicy(SchedulingPolicy):
         self.counters: dict[str, float] = {}
         self.stats: dict[str, TenantStats] = {}
         self._rank: dict[int, float] = {}  # seq -> the tenant's counter at (re)admission
+        # The counter of the last tenant that went idle: the level a tenant returning to an
+        # empty scheduler is lifted to (as VTC does), else a tenant new or long idle would
+        # come back owed everything the others were served meanwhile.
+        self._idle_level = 0.0
         # One step's token budget. It used to be capped by max_model_len too; with
         # --max-model-len 512 and a budget of 2048 that left a returning light tenant about
         # three requests of credit, and a burst of its own requests (128 output tokens each,
@@ -180,7 +184,7 @@ class FairPolicy(SchedulingPolicy):
             # A returning (or new) tenant starts level with the least-served active tenant.
             active = [self.counters.get(a, 0.0) for a, s in self.stats.items()
                       if s.num_unfinished and a != t]
-            floor = min(active) - self.return_credit if active else 0.0
+            floor = (min(active) if active else self._idle_level) - self.return_credit
             self.counters[t] = max(self.counters.get(t, 0.0), floor)
         st.num_unfinished += 1
 
@@ -198,7 +202,10 @@ class FairPolicy(SchedulingPolicy):
 
     def on_finish(self, req: Request) -> None:
         self._rank.pop(req.seq, None)
-        self._stats(req.tenant).num_unfinished -= 1
+        st = self._stats(req.tenant)
+        st.num_unfinished -= 1
+        if st.num_unfinished == 0:
+            self._idle_level = self.counters.get(req.tenant, 0.0)
 
     def tenant_stats(self) -> dict[str, dict]:
         return {t: {**s.as_dict(), "counter": self.counters.get(t, 0.0),

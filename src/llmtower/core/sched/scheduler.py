@@ -406,8 +406,8 @@ class Scheduler:
         head of ``waiting`` is a request the policy serves before it (``fair``: a less-served
         tenant; ``priority``: a more important request). It leaves room for the head's prompt
         (up to ``long_prefill_token_threshold``) so that the head starts this step instead of
-        waiting behind a long prompt's chunks; decodes never yield, nothing is preempted and
-        the step's budget is never exceeded. Nothing is reserved for a head that cannot be
+        waiting behind a long prompt's chunks; decodes never yield, a yielding prefill keeps at
+        least one token, nothing is preempted and the step's budget is never exceeded. Nothing is reserved for a head that cannot be
         admitted this step (no free sequence slot and nobody it may displace)."""
         head = step.reserve_for
         if head is None or req is head or not self.policy.yields_budget(req, head):
@@ -422,7 +422,9 @@ class Scheduler:
                 if cfg.long_prefill_token_threshold:
                     need = min(need, cfg.long_prefill_token_threshold)
                 step.reserve = need
-        return max(0, step.budget - step.reserve)
+        # At least one token: the yielding prefill always progresses, so a head that does not
+        # fit in the KV cache after all cannot hold it (and the blocks it holds) still.
+        return max(1, step.budget - step.reserve)
 
     def _at_length_cap(self, req: Request, num_tokens: int) -> bool:
         """Whether ``num_tokens`` (placeholders included) already reach the request's
