@@ -52,6 +52,8 @@ def case(seed, heads, kv_heads, head_dim, block_size, lens, num_blocks=200):
     (8, 2, 32, 4),     # grouped-query attention
     (9, 3, 64, 16),    # SmolLM2's shape
     (4, 1, 8, 1),      # one token per block
+    (14, 2, 48, 16),   # 7 heads per KV head (values weighed 4 + 3 heads at a time), D not 64/128
+    (16, 2, 128, 32),  # 8 heads per KV head
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, threads):

@@ -154,6 +154,230 @@ static void attend_one(const Job *j, int64_t r, float *scores, float *acc, int b
     }
 }
 
+/* exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes: the
+ * C library's expf is a call per element, which costs as much as the dot products once a
+ * request has several query rows. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-7
+ * polynomial for e^r (within 2 ulp of float32), times 2^n built in the exponent bits. Below
+ * -87.3 the result would be subnormal: clamped there (the weight is < 1e-37 of the maximum's). */
+static inline float exp_nonpos(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* ---------------------------------------------------------------- grouped one-query decode
+ * With AVX-512 and a head size that is a multiple of 16, paged_decode works on one
+ * (request, KV head) at a time instead of one request: the G query heads that share the KV
+ * head are scored together, so each key row (and each value row) is read once for the group
+ * instead of once per query head. attend above computes every score as a 64-wide dot product
+ * ending in its own horizontal sum; here 16 keys are scored per tile: each key's D/16 vectors
+ * are multiplied into one 16-lane partial per query head, and hsum16 folds the tile's 16
+ * partials into the 16 scores with 15 shuffle-adds (one horizontal sum each would cost ~8 per
+ * score). The values are weighted in 16-dim slices with up to four heads' accumulators in
+ * registers across the whole context. Softmax exact as above (maximum subtracted), with
+ * exp_nonpos. Same float32 arithmetic; only the summation order differs from attend. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGED_GQA 1
+
+/* 16 float32 elements of a float or bfloat16 array, widened */
+static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, const int BF16) {
+    if (BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* Lane t of the result: the sum of the 16 lanes of the partial of key t, where key t's partial
+ * sits in v[tile_slot(t)] (that order makes the shuffle tree below leave key t in lane t). */
+static inline int tile_slot(int t) { return (t >> 2) + 4 * (t & 3); }
+
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++) /* each 512-bit half keeps 8 lanes of one input */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* each 128-bit quarter keeps 4 lanes of one input */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* 2 lanes of one input */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+}
+
+/* Scratch of one thread, for a group of G query heads and contexts up to max_context. */
+typedef struct {
+    float *scores;    /* [G][stride]: stride = max_context rounded up to 16 */
+    int64_t *rows;    /* [max_context]: element offset of each key's row of this KV head */
+    float *q, *part;  /* [G][D] widened scaled queries; [G][16][16] one tile's partials */
+    float *sums;      /* [G] */
+    int64_t stride;
+} GroupScratch;
+
+/* the value pass for NH (1..4) heads g0.. of the group, CW * 16 dims at a time: NH * CW
+ * accumulators stay in registers across the whole context, enough independent chains to hide
+ * the FMA latency */
+static inline __attribute__((always_inline)) void weigh_values(
+        const void *V, const GroupScratch *w, int64_t ctx, int64_t g0, float *out_acc,
+        const int64_t D, const int BF16, const int NH, const int CW) {
+    const float *s[4];
+    for (int i = 0; i < 4; i++) s[i] = w->scores + (g0 + (i < NH ? i : 0)) * w->stride;
+    for (int64_t c0 = 0; c0 < D; c0 += CW * 16) {
+        __m512 a[NH][CW];
+        for (int i = 0; i < NH; i++)
+            for (int c = 0; c < CW; c++) a[i][c] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < ctx; p++) {
+            if (c0 == 0 && p + 16 < ctx)
+                __builtin_prefetch((const char *)V + w->rows[p + 16] * (BF16 ? 2 : 4));
+            __m512 v[CW];
+            for (int c = 0; c < CW; c++) v[c] = ld16(V, w->rows[p] + c0 + c * 16, BF16);
+            for (int i = 0; i < NH; i++) {
+                const __m512 e = _mm512_set1_ps(s[i][p]);
+                for (int c = 0; c < CW; c++) a[i][c] = _mm512_fmadd_ps(e, v[c], a[i][c]);
+            }
+        }
+        for (int i = 0; i < NH; i++)
+            for (int c = 0; c < CW; c++) _mm512_storeu_ps(out_acc + (g0 + i) * D + c0 + c * 16, a[i][c]);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_group(const Job *j, int64_t r, int64_t g,
+                                                               const GroupScratch *w, float *acc,
+                                                               const int64_t D, const int BF16) {
+    const int64_t H = j->num_heads, G = H / j->num_kv_heads, bs = j->block_size;
+    const int64_t ctx = j->context_lens[r], row = j->num_kv_heads * D, st = w->stride;
+    const int64_t *table = j->block_tables + r * j->bt_stride;
+    const void *restrict K = j->k, *restrict V = j->v;
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
+        const int64_t base = table[p0 / bs] * bs * row + g * D;
+        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) w->rows[p0 + t] = base + t * row;
+    }
+    for (int64_t i = 0; i < G * D; i++)
+        w->q[i] = ld(j->q, r * j->q_stride + g * G * D + i, BF16) * j->scale;
+
+    /* scores[x][p] = q_x . k_p, 16 keys per tile */
+    __m512 *part = (__m512 *)w->part;
+    for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
+        const int64_t n = ctx - p0 < 16 ? ctx - p0 : 16;
+        for (int t = 0; t < 16; t++) {
+            const int slot = tile_slot(t);
+            if (t >= n) {
+                for (int64_t x = 0; x < G; x++) part[x * 16 + slot] = _mm512_setzero_ps();
+                continue;
+            }
+            if (p0 + t + 16 < ctx) { /* the key 16 ahead: its head's row is 1-4 cache lines */
+                const char *next = (const char *)K + w->rows[p0 + t + 16] * (BF16 ? 2 : 4);
+                for (int64_t b = 0; b < D * (BF16 ? 2 : 4); b += 64) __builtin_prefetch(next + b);
+            }
+            __m512 k[D / 16];
+            for (int64_t c = 0; c < D / 16; c++) k[c] = ld16(K, w->rows[p0 + t] + c * 16, BF16);
+            for (int64_t x = 0; x < G; x++) {
+                const float *qx = w->q + x * D;
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qx), k[0]);
+                for (int64_t c = 1; c < D / 16; c++)
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(qx + c * 16), k[c], s);
+                part[x * 16 + slot] = s;
+            }
+        }
+        for (int64_t x = 0; x < G; x++) _mm512_storeu_ps(w->scores + x * st + p0, hsum16(part + x * 16));
+    }
+    /* softmax numerators in place; each head's sum divides its output at the end */
+    for (int64_t x = 0; x < G; x++) {
+        float *sx = w->scores + x * st, m = sx[0], sum = 0.f;
+        for (int64_t p = 1; p < ctx; p++) m = sx[p] > m ? sx[p] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < ctx; p++) {
+            sx[p] = exp_nonpos(sx[p] - m);
+            sum += sx[p];
+        }
+        w->sums[x] = sum;
+    }
+    /* acc[x] = sum_p exp_score[x][p] * v_p: each value row read once per four heads */
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int nh = G - g0 < 4 ? (int)(G - g0) : 4;
+        if (D % 64 == 0) { /* 4 slices of 16 dims per pass */
+            switch (nh) {
+                case 1: weigh_values(V, w, ctx, g0, acc, D, BF16, 1, 4); break;
+                case 2: weigh_values(V, w, ctx, g0, acc, D, BF16, 2, 4); break;
+                case 3: weigh_values(V, w, ctx, g0, acc, D, BF16, 3, 4); break;
+                default: weigh_values(V, w, ctx, g0, acc, D, BF16, 4, 4);
+            }
+        } else {
+            switch (nh) {
+                case 1: weigh_values(V, w, ctx, g0, acc, D, BF16, 1, 1); break;
+                case 2: weigh_values(V, w, ctx, g0, acc, D, BF16, 2, 1); break;
+                case 3: weigh_values(V, w, ctx, g0, acc, D, BF16, 3, 1); break;
+                default: weigh_values(V, w, ctx, g0, acc, D, BF16, 4, 1);
+            }
+        }
+    }
+    for (int64_t x = 0; x < G; x++) {
+        const float inv = 1.f / w->sums[x];
+        const int64_t o0 = (r * H + g * G + x) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float o = acc[x * D + d] * inv;
+            if (BF16) ((uint16_t *)j->out)[o0 + d] = f32_to_bf16(o);
+            else ((float *)j->out)[o0 + d] = o;
+        }
+    }
+}
+
+static void attend_group_one(const Job *j, int64_t r, int64_t g, const GroupScratch *w,
+                             float *acc, int bf16) {
+    switch (j->head_dim * 2 + bf16) {
+        case 64 * 2: attend_group(j, r, g, w, acc, 64, 0); break;
+        case 64 * 2 + 1: attend_group(j, r, g, w, acc, 64, 1); break;
+        case 128 * 2: attend_group(j, r, g, w, acc, 128, 0); break;
+        case 128 * 2 + 1: attend_group(j, r, g, w, acc, 128, 1); break;
+        default: /* a multiple of 16 up to 256 (checked by the caller) */
+            if (bf16) attend_group(j, r, g, w, acc, j->head_dim, 1);
+            else attend_group(j, r, g, w, acc, j->head_dim, 0);
+    }
+}
+
+/* paged_decode's loop for the grouped path; returns nonzero when scratch could not be had */
+static int paged_decode_grouped(const Job *j, int dtype, int num_threads) {
+    const int64_t G = j->num_heads / j->num_kv_heads, D = j->head_dim;
+    const int64_t units = j->num_reqs * j->num_kv_heads, stride = (j->max_context + 15) / 16 * 16;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
+    {
+        GroupScratch w = {malloc(sizeof(float) * (size_t)(G * stride)),
+                          malloc(sizeof(int64_t) * (size_t)stride),
+                          malloc(sizeof(float) * (size_t)(G * D)),
+                          aligned_alloc(64, sizeof(float) * (size_t)(G * 256)),
+                          malloc(sizeof(float) * (size_t)G), stride};
+        float *acc = malloc(sizeof(float) * (size_t)(G * D));
+        failed = !w.scores || !w.rows || !w.q || !w.part || !w.sums || !acc;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++)
+            if (!failed) attend_group_one(j, u / j->num_kv_heads, u % j->num_kv_heads, &w, acc,
+                                          dtype == 1);
+        free(w.scores);
+        free(w.rows);
+        free(w.q);
+        free(w.part);
+        free(w.sums);
+        free(acc);
+    }
+    return failed;
+}
+#endif
+
 /* dtype 0: float32, 1: bfloat16. Returns 0 on success, -1 when memory for the scores could not
  * be had, -2 on a context length below 1. */
 int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
@@ -166,6 +390,11 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
         if (context_lens[r] < 1) return -2;
         if (context_lens[r] > j.max_context) j.max_context = context_lens[r];
     }
+#ifdef PAGED_GQA
+    if (head_dim % 16 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+        num_heads > num_kv_heads) /* without grouping, attend's contiguous slot rows win */
+        return paged_decode_grouped(&j, dtype, num_threads) ? -1 : 0;
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -200,28 +429,6 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
  * Exact softmax, float32 arithmetic, bfloat16 rounded on store, as above. Where every request
  * has one row, paged_decode is faster (it reads each slot's heads in one contiguous run).
  */
-/* exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes: the
- * C library's expf is a call per element, which costs as much as the dot products once a
- * request has several query rows. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-7
- * polynomial for e^r (within 2 ulp of float32), times 2^n built in the exponent bits. Below
- * -87.3 the result would be subnormal: clamped there (the weight is < 1e-37 of the maximum's). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 typedef struct {
     const void *q, *k, *v;
     const int64_t *block_tables, *context_lens, *query_start;
