@@ -190,6 +190,9 @@ static inline float exp_nonpos(float x) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGED_GQA 1
+#ifndef GQA_AHEAD
+#define GQA_AHEAD 16
+#endif
 
 /* 16 float32 elements of a float or bfloat16 array, widened */
 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, const int BF16) {
@@ -240,8 +243,6 @@ static inline __attribute__((always_inline)) void weigh_values(
         for (int i = 0; i < NH; i++)
             for (int c = 0; c < CW; c++) a[i][c] = _mm512_setzero_ps();
         for (int64_t p = 0; p < ctx; p++) {
-            if (c0 == 0 && p + 16 < ctx)
-                __builtin_prefetch((const char *)V + w->rows[p + 16] * (BF16 ? 2 : 4));
             __m512 v[CW];
             for (int c = 0; c < CW; c++) v[c] = ld16(V, w->rows[p] + c0 + c * 16, BF16);
             for (int i = 0; i < NH; i++) {
@@ -279,9 +280,12 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
                 for (int64_t x = 0; x < G; x++) part[x * 16 + slot] = _mm512_setzero_ps();
                 continue;
             }
-            if (p0 + t + 16 < ctx) { /* the key 16 ahead: its head's row is 1-4 cache lines */
-                const char *next = (const char *)K + w->rows[p0 + t + 16] * (BF16 ? 2 : 4);
-                for (int64_t b = 0; b < D * (BF16 ? 2 : 4); b += 64) __builtin_prefetch(next + b);
+            if (p0 + t + GQA_AHEAD < ctx) { /* key and value GQA_AHEAD ahead: 2-4 lines each */
+                const int64_t at = w->rows[p0 + t + GQA_AHEAD] * (BF16 ? 2 : 4);
+                for (int64_t b = 0; b < D * (BF16 ? 2 : 4); b += 64) {
+                    __builtin_prefetch((const char *)K + at + b);
+                    __builtin_prefetch((const char *)V + at + b);
+                }
             }
             __m512 k[D / 16];
             for (int64_t c = 0; c < D / 16; c++) k[c] = ld16(K, w->rows[p0 + t] + c * 16, BF16);
