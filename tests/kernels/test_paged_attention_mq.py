@@ -61,6 +61,7 @@ def case(seed, heads, kv_heads, head_dim, block_size, lens, q_lens, dtype=torch.
     (12, 12, 64, 16),  # W1
     (8, 2, 128, 8),    # GQA, the unrolled 128 copy
     (6, 3, 24, 1),     # generic head size, one token per block
+    (14, 2, 48, 16),   # 7 heads per KV head, a head size of 16-wide slices but not 64/128
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_multi_query_rows_match_float64_reference(heads, kv_heads, head_dim, block_size, threads):

@@ -34,6 +34,9 @@ typedef struct {
     int64_t num_reqs, q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size;
     int64_t max_context;
     float scale;
+    /* NULL: one query row per request; else request r owns the rows query_start[r] ..
+     * query_start[r + 1] - 1 (paged_decode_mq, grouped path only) */
+    const int64_t *query_start;
 } Job;
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -261,14 +264,19 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
     const int64_t H = j->num_heads, G = H / j->num_kv_heads, bs = j->block_size;
     const int64_t ctx = j->context_lens[r], row = j->num_kv_heads * D, st = w->stride;
     const int64_t *table = j->block_tables + r * j->bt_stride;
+    /* query vector x = i * G + jj: row i of the request (at position ctx - nq + i, so it sees
+     * keys 0 .. ctx - nq + i), query head g * G + jj */
+    const int64_t q0 = j->query_start ? j->query_start[r] : r;
+    const int64_t nq = j->query_start ? j->query_start[r + 1] - q0 : 1, Q = nq * G;
     const void *restrict K = j->k, *restrict V = j->v;
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
         const int64_t base = table[p0 / bs] * bs * row + g * D;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) w->rows[p0 + t] = base + t * row;
     }
-    for (int64_t i = 0; i < G * D; i++)
-        w->q[i] = ld(j->q, r * j->q_stride + g * G * D + i, BF16) * j->scale;
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t e = 0; e < G * D; e++)
+            w->q[i * G * D + e] = ld(j->q, (q0 + i) * j->q_stride + g * G * D + e, BF16) * j->scale;
 
     /* scores[x][p] = q_x . k_p, 16 keys per tile */
     __m512 *part = (__m512 *)w->part;
@@ -277,7 +285,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
         for (int t = 0; t < 16; t++) {
             const int slot = tile_slot(t);
             if (t >= n) {
-                for (int64_t x = 0; x < G; x++) part[x * 16 + slot] = _mm512_setzero_ps();
+                for (int64_t x = 0; x < Q; x++) part[x * 16 + slot] = _mm512_setzero_ps();
                 continue;
             }
             if (p0 + t + GQA_AHEAD < ctx) { /* key and value GQA_AHEAD ahead: 2-4 lines each */
@@ -289,7 +297,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
             }
             __m512 k[D / 16];
             for (int64_t c = 0; c < D / 16; c++) k[c] = ld16(K, w->rows[p0 + t] + c * 16, BF16);
-            for (int64_t x = 0; x < G; x++) {
+            for (int64_t x = 0; x < Q; x++) {
                 const float *qx = w->q + x * D;
                 __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qx), k[0]);
                 for (int64_t c = 1; c < D / 16; c++)
@@ -297,22 +305,25 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
                 part[x * 16 + slot] = s;
             }
         }
-        for (int64_t x = 0; x < G; x++) _mm512_storeu_ps(w->scores + x * st + p0, hsum16(part + x * 16));
+        for (int64_t x = 0; x < Q; x++) _mm512_storeu_ps(w->scores + x * st + p0, hsum16(part + x * 16));
     }
-    /* softmax numerators in place; each head's sum divides its output at the end */
-    for (int64_t x = 0; x < G; x++) {
+    /* softmax numerators in place; each head's sum divides its output at the end. A row's
+     * keys past its own position (later rows of its request) get weight 0. */
+    for (int64_t x = 0; x < Q; x++) {
+        const int64_t len = ctx - nq + x / G + 1;
         float *sx = w->scores + x * st, m = sx[0], sum = 0.f;
-        for (int64_t p = 1; p < ctx; p++) m = sx[p] > m ? sx[p] : m;
+        for (int64_t p = 1; p < len; p++) m = sx[p] > m ? sx[p] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < ctx; p++) {
+        for (int64_t p = 0; p < len; p++) {
             sx[p] = exp_nonpos(sx[p] - m);
             sum += sx[p];
         }
+        for (int64_t p = len; p < ctx; p++) sx[p] = 0.f;
         w->sums[x] = sum;
     }
     /* acc[x] = sum_p exp_score[x][p] * v_p: each value row read once per four heads */
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int nh = G - g0 < 4 ? (int)(G - g0) : 4;
+    for (int64_t g0 = 0; g0 < Q; g0 += 4) {
+        const int nh = Q - g0 < 4 ? (int)(Q - g0) : 4;
         if (D % 64 == 0) { /* 4 slices of 16 dims per pass */
             switch (nh) {
                 case 1: weigh_values(V, w, ctx, g0, acc, D, BF16, 1, 4); break;
@@ -329,9 +340,9 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
             }
         }
     }
-    for (int64_t x = 0; x < G; x++) {
+    for (int64_t x = 0; x < Q; x++) {
         const float inv = 1.f / w->sums[x];
-        const int64_t o0 = (r * H + g * G + x) * D;
+        const int64_t o0 = ((q0 + x / G) * H + g * G + x % G) * D;
         for (int64_t d = 0; d < D; d++) {
             const float o = acc[x * D + d] * inv;
             if (BF16) ((uint16_t *)j->out)[o0 + d] = f32_to_bf16(o);
@@ -353,19 +364,20 @@ static void attend_group_one(const Job *j, int64_t r, int64_t g, const GroupScra
     }
 }
 
-/* paged_decode's loop for the grouped path; returns nonzero when scratch could not be had */
-static int paged_decode_grouped(const Job *j, int dtype, int num_threads) {
-    const int64_t G = j->num_heads / j->num_kv_heads, D = j->head_dim;
+/* paged_decode's (and paged_decode_mq's) loop for the grouped path; returns nonzero when scratch could not be had */
+static int paged_decode_grouped(const Job *j, int64_t max_rows, int dtype, int num_threads) {
+    /* Q: the most query vectors of one unit (G query heads x the most rows of a request) */
+    const int64_t Q = j->num_heads / j->num_kv_heads * max_rows, D = j->head_dim;
     const int64_t units = j->num_reqs * j->num_kv_heads, stride = (j->max_context + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
     {
-        GroupScratch w = {malloc(sizeof(float) * (size_t)(G * stride)),
+        GroupScratch w = {malloc(sizeof(float) * (size_t)(Q * stride)),
                           malloc(sizeof(int64_t) * (size_t)stride),
-                          malloc(sizeof(float) * (size_t)(G * D)),
-                          aligned_alloc(64, sizeof(float) * (size_t)(G * 256)),
-                          malloc(sizeof(float) * (size_t)G), stride};
-        float *acc = malloc(sizeof(float) * (size_t)(G * D));
+                          malloc(sizeof(float) * (size_t)(Q * D)),
+                          aligned_alloc(64, sizeof(float) * (size_t)(Q * 256)),
+                          malloc(sizeof(float) * (size_t)Q), stride};
+        float *acc = malloc(sizeof(float) * (size_t)(Q * D));
         failed = !w.scores || !w.rows || !w.q || !w.part || !w.sums || !acc;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++)
@@ -389,7 +401,7 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
                  void *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
     Job j = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride, bt_stride,
-             num_heads, num_kv_heads, head_dim, block_size, 1, scale};
+             num_heads, num_kv_heads, head_dim, block_size, 1, scale, NULL};
     for (int64_t r = 0; r < num_reqs; r++) {
         if (context_lens[r] < 1) return -2;
         if (context_lens[r] > j.max_context) j.max_context = context_lens[r];
@@ -397,7 +409,7 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
 #ifdef PAGED_GQA
     if (head_dim % 16 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
         num_heads > num_kv_heads) /* without grouping, attend's contiguous slot rows win */
-        return paged_decode_grouped(&j, dtype, num_threads) ? -1 : 0;
+        return paged_decode_grouped(&j, 1, dtype, num_threads) ? -1 : 0;
 #endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -578,6 +590,19 @@ int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const 
         if (nq * G * context_lens[r] > max_scores) max_scores = nq * G * context_lens[r];
         if (nq * G > max_q) max_q = nq * G;
     }
+#ifdef PAGED_GQA
+    if (head_dim % 16 == 0) { /* the grouped one-query path, several rows per request */
+        Job g = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride,
+                 bt_stride, num_heads, num_kv_heads, head_dim, block_size, 1, scale, query_start};
+        int64_t max_rows = 1;
+        for (int64_t r = 0; r < num_reqs; r++) {
+            if (context_lens[r] > g.max_context) g.max_context = context_lens[r];
+            if (query_start[r + 1] - query_start[r] > max_rows)
+                max_rows = query_start[r + 1] - query_start[r];
+        }
+        return paged_decode_grouped(&g, max_rows, dtype, num_threads) ? -1 : 0;
+    }
+#endif
     const int64_t units = num_reqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
