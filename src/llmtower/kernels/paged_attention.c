@@ -14,6 +14,7 @@
  * q, the caches and out share one dtype; the arithmetic is float32 either way (bfloat16 is
  * widened on load and rounded to nearest-even on the final store, as PyTorch's CPU SDPA does).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ * (With AVX-512 and grouped-query heads the grouped path further down runs instead.)
  * One request at a time per thread: scores for all heads (keys read block by block, slot by
  * slot, so memory is walked forwards), an exact softmax (max, then exp and sum), then the
  * values weighted by the scores. Requests are shared out to num_threads OpenMP threads: loaded
@@ -444,6 +445,9 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
  * (the request's own new tokens). The softmax's exponentials use exp_nonpos, which vectorizes.
  * Exact softmax, float32 arithmetic, bfloat16 rounded on store, as above. Where every request
  * has one row, paged_decode is faster (it reads each slot's heads in one contiguous run).
+ * With AVX-512 and a head size of 16-wide slices, paged_decode_mq runs attend_group above
+ * instead (the grouped path, with each unit's rows x heads as its query vectors); attend_mq
+ * is the path of other machines and head sizes.
  */
 typedef struct {
     const void *q, *k, *v;
