@@ -45,6 +45,21 @@ def kernel_error() -> str | None:
     return None
 
 
+def _check_operands(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """Shapes and dtypes both decode kernels need before any pointer reaches C."""
+    h, d = q.shape[1], q.shape[2]
+    hkv, d2 = k_cache.shape[2], k_cache.shape[3]
+    if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit the cache "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"{fn}: q is {q.dtype}; the kernel runs float32 or bfloat16")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} is {x.dtype} but q is {q.dtype}: one dtype for all")
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                  scale: float, num_threads: int, tables_checked: bool = False) -> torch.Tensor:
@@ -57,15 +72,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tables and lengths through ``check_tables`` for a cache of this many blocks.
     """
     n, h, d = q.shape
-    nb, bs, hkv, d2 = k_cache.shape
-    if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit the cache "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if q.dtype not in DTYPES:
-        raise TypeError(f"paged_decode: q is {q.dtype}; the kernel runs float32 or bfloat16")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"paged_decode: {name} is {t.dtype} but q is {q.dtype}: one dtype for all")
+    nb, bs, hkv, _ = k_cache.shape
+    _check_operands("paged_decode", q, k_cache, v_cache, out)
     check_layout("paged_decode", q, k_cache, v_cache, out, block_tables, context_lens, h, d)
     if n == 0:
         return out
@@ -95,16 +103,8 @@ def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``check_tables`` and ``check_query_start`` for a cache of this many blocks.
     """
     t, h, d = q.shape
-    nb, bs, hkv, d2 = k_cache.shape
-    if d2 != d or h % hkv or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode_mq: q {tuple(q.shape)} does not fit the cache "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if q.dtype not in DTYPES:
-        raise TypeError(f"paged_decode_mq: q is {q.dtype}; the kernel runs float32 or bfloat16")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"paged_decode_mq: {name} is {x.dtype} but q is {q.dtype}: "
-                            "one dtype for all")
+    nb, bs, hkv, _ = k_cache.shape
+    _check_operands("paged_decode_mq", q, k_cache, v_cache, out)
     n = context_lens.shape[0] if context_lens.dim() == 1 else -1
     check_layout("paged_decode_mq", q, k_cache, v_cache, out, block_tables, context_lens, h, d,
                  num_reqs=n)
