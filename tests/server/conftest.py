@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server_process import ServerProcess
+from server_args import MODEL, TINY_SERVER_ARGS, start_server  # noqa: F401
 from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noqa: F401
-
-MODEL = "tiny"
-# Small and fast to start: one thread, a KV cache that 200 short requests fit in.
-TINY_SERVER_ARGS = ["--served-model-name", MODEL, "--num-threads", "1", "--max-model-len", "512",
-                    "--num-gpu-blocks", "2048", "--max-num-seqs", "256"]
-
-
-def start_server(tmp_path_factory, name: str, args: list[str]) -> ServerProcess:
-    log = tmp_path_factory.mktemp(name) / "server.log"
-    return ServerProcess(args, log).start()
 
 
 @pytest.fixture(scope="session")

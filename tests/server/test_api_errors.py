@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 
 def _error(r: httpx.Response, status: int) -> dict:

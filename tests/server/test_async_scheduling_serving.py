@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 
 def test_async_scheduling_serves_the_serial_servers_tokens(tmp_path_factory, tiny_llama_dir,

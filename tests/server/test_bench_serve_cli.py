@@ -5,7 +5,7 @@ import json
 
 from llmtower.cli.main import main
 
-from conftest import MODEL
+from server_args import MODEL
 
 
 def test_bench_serve_reports_and_saves_figures(tiny_server, tiny_tokenizer_dir, tmp_path, capsys):

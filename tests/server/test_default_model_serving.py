@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from server_args import start_server
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 # The bound on noticing a dead engine; detection itself is event-driven (the process
 # sentinel), so this is a generous margin, not a race.

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 
 def _error(r: httpx.Response, status: int) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from conftest import MODEL
+from server_args import MODEL
 
 PROMPT = "The quick brown fox"
 GREEDY = dict(temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})

@@ -7,7 +7,7 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}

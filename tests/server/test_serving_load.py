@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 
-from conftest import MODEL
+from server_args import MODEL
 
 NUM_REQUESTS = 200
 NUM_PROMPTS = 20

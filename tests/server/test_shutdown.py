@@ -11,7 +11,7 @@ import threading
 import time
 
 import httpx
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 
 def _engine_gone(pid: int, timeout_s: float = 10.0) -> bool:

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8},

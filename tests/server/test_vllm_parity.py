@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import MODEL, start_server
+from server_args import MODEL, start_server
 
 
 def _post(server, path: str, body: dict, **kw) -> httpx.Response:
