@@ -24,12 +24,17 @@ from tests.fixtures.tiny_models import make_tiny_model_dir
     ({"tenant_weights": "a=0"}, ["a", "> 0"]),
     ({"tenant_weights": "a:2"}, ["tenant=weight"]),
     ({"swap_space": "lots"}, ["lots"]),
+    ({"swap_space_dtype": "int8"}, ["--preemption-mode swap", "'recompute'"]),
 ])
 def test_bad_settings_are_refused_at_construction(kw, words):
     with pytest.raises(ValueError) as e:
         EngineArgs(**kw)
     for w in words:
         assert w in str(e.value)
+
+
+def test_int8_swap_space_with_swap_preemption_is_accepted():
+    assert EngineArgs(swap_space_dtype="int8", preemption_mode="swap").swap_space_dtype == "int8"
 
 
 def test_swap_space_bare_number_is_gib():

@@ -256,6 +256,10 @@ class EngineArgs:
                              "--async-scheduling or --speculative-config")
         parse_swap_space(self.swap_space)
         _check_field_values(self)
+        if self.swap_space_dtype == "int8" and self.preemption_mode != "swap":
+            raise ValueError("--swap-space-dtype int8 compresses swapped-out KV blocks, but "
+                             f"--preemption-mode is {self.preemption_mode!r}, which never swaps: "
+                             "add --preemption-mode swap or drop --swap-space-dtype")
         parse_tenant_weights(self.tenant_weights)
         if self.preload_prompts and not os.path.isfile(self.preload_prompts):
             raise ValueError(f"--preload-prompts {self.preload_prompts!r}: no such file")
