@@ -173,7 +173,9 @@ def run_once(llm: LLM, prompts: list, mode: str, cfg: SpeculativeConfig | None,
     drafts = sched.spec_stats.num_drafts - s0[0]
     draft_tokens = sched.spec_stats.num_draft_tokens - s0[1]
     accepted = sched.spec_stats.num_accepted_tokens - s0[2]
-    return {"tok_s": n_out / elapsed, "tok_cpu_s": n_out / cpu, "cpu_s": cpu,
+    gate = getattr(runner.spec_decode, "gate", None)  # batch_gate.py: steps it kept closed
+    return {"gate_closed_steps": gate.closed_steps_total if gate is not None else 0,
+            "tok_s": n_out / elapsed, "tok_cpu_s": n_out / cpu, "cpu_s": cpu,
             "elapsed_s": elapsed, "output_tokens": n_out,
             "steps": sched.num_steps - s0[3], "drafts": drafts, "draft_tokens": draft_tokens,
             "accepted": accepted, "load": (load0 + os.getloadavg()[0]) / 2, "tokens": tokens}
@@ -201,7 +203,9 @@ def main() -> None:
                                             args.model))
                     r = runs[m][-1]
                     print(f"  {wl}/{mode}/{m}: {r['tok_s']:.1f} tok/s, {r['tok_cpu_s']:.1f} tok per "
-                          f"CPU-s, {r['output_tokens']} tokens in {r['elapsed_s']:.1f} s",
+                          f"CPU-s, {r['output_tokens']} tokens in {r['elapsed_s']:.1f} s, "
+                          f"{r['steps']} steps ({r['gate_closed_steps']} with drafting gated off), "
+                          f"{r['draft_tokens']} draft tokens, {r['accepted']} accepted",
                           flush=True)
             base_tokens = runs["none"][0]["tokens"]
             base = statistics.median(r["tok_s"] for r in runs["none"])

@@ -85,6 +85,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each request's last token
     # (counted in its num_scheduled_tokens, 1 + len(drafts)); absent: no drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests left waiting after this step (speculative decoding's batch gate: where a
+    # request that finishes early admits a waiting one, its drafts pay per request).
+    num_waiting_reqs: int = 0
     # The scheduler's own request objects of this step, by id (the executor ignores it):
     # ``update_from_output`` drops outputs for ids this step did not schedule, and tells a
     # request from a new one that reused its id after an abort while the step was in flight.

@@ -36,6 +36,9 @@ class SpeculativeConfig:
     - ``adaptive``: shrink a request's K (down to 0) while its drafts are rejected.
     - ``adaptive_min_acceptance``: acceptance rate (accepted / drafted, moving average) under
       which K shrinks; drafting a rejected token costs a position in the forward pass.
+    - ``batch_gate``: in a batch with nobody waiting, draft only while the slowest request's
+      accepted tokens pay for every request's rejected rows (``batch_gate.py``; needs
+      ``adaptive``).
     """
 
     method: str = "ngram"
@@ -50,6 +53,7 @@ class SpeculativeConfig:
     model: str | None = None
     adaptive: bool = True
     adaptive_min_acceptance: float = 0.25
+    batch_gate: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:

@@ -27,6 +27,7 @@ from llmtower.executor.input_batch import InputBatch
 from llmtower.executor.rejection_sampler import RejectionSampler
 from llmtower.executor.sampler import Sampler
 from llmtower.spec_decode.adaptive import AdaptiveDraftLength
+from llmtower.spec_decode.batch_gate import BatchDraftGate
 from llmtower.spec_decode.config import SpeculativeConfig
 from llmtower.spec_decode.proposer import Proposer, make_proposer
 from llmtower.spec_decode.step_cost import StepCostModel
@@ -76,6 +77,11 @@ class SpecDecodeStep:
         self.needs_batch = bool(getattr(self.proposer, "needs_batch", False))
         self.cost = StepCostModel()
         self._step_start = 0.0
+        # Whether the batch drafts at all (batch_gate.py), the requests whose drafts were
+        # asked for last step (only they are judged) and drafting's host seconds per step.
+        self.gate = BatchDraftGate(config.adaptive and config.batch_gate)
+        self._asked: set[str] = set()
+        self._host_s = 0.0
 
     # ------------------------------------------------------------------ before the forward
     def begin(self, so: SchedulerOutput, req_ids: list[str], batch: InputBatch) -> np.ndarray:
@@ -85,6 +91,7 @@ class SpecDecodeStep:
         for rid in so.finished_req_ids:
             self.proposer.remove(rid)
             self.adaptive.remove(rid)
+            self.gate.remove(rid)
         num_spec = np.zeros(len(req_ids), dtype=np.int64)
         spec = so.scheduled_spec_decode_tokens
         if spec:
@@ -128,6 +135,7 @@ class SpecDecodeStep:
             for j, t in zip(plain.tolist(), tokens.tolist()):
                 results[j] = [t]
         drafted = np.flatnonzero(k > 0)
+        t_host = time.perf_counter()
         if drafted.size:
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec[req_ids[sampled_idx[j]]] for j in drafted.tolist()]
@@ -141,10 +149,27 @@ class SpecDecodeStep:
                 self.adaptive.observe(req_ids[sampled_idx[j]], len(d), len(toks) - 1,
                                       independent=int(rows[j]) in batch.generators)
         self._append(results, rows, k, batch, block_size)
+        gate_open = self._judge(req_ids, sampled_idx, results, k, so)
         # A grammar constrains one position per step (its bitmask): no drafts under it.
         constrained = getattr(so, "structured_output_request_ids", None) or {}
-        spec_out = self._propose(req_ids, sampled_idx, rows, batch, constrained)
+        spec_out = self._propose(req_ids, sampled_idx, rows, batch, constrained, gate_open)
+        if drafted.size or gate_open:  # drafting's host time: verifying and proposing
+            self._host_s = 0.7 * self._host_s + 0.3 * (time.perf_counter() - t_host)
         return self._output(req_ids, sampled_idx, results, plain, plain_lp, spec_out)
+
+    def _judge(self, req_ids: list[str], sampled_idx: np.ndarray, results: list[list[int]],
+               k: np.ndarray, so: SchedulerOutput) -> bool:
+        """Feed the step's outcome to the batch gate and ask it whether the batch drafts next."""
+        gate, asked = self.gate, self._asked
+        sampled = [req_ids[i] for i in sampled_idx.tolist()]
+        for j, rid in enumerate(sampled):
+            if rid in asked:  # only requests whose drafts were asked for are judged
+                kj = int(k[j])
+                gate.observe(rid, kj, len(results[j]) - 1 if kj else 0)
+        per_row = self.cost.per_row_seconds()
+        host_rows = self._host_s / per_row if per_row > 0.0 else 0.0
+        return gate.step(sampled, self.cost.fixed_rows(), host_rows,
+                         so.num_waiting_reqs)
 
     def _append(self, results: list[list[int]], rows: np.ndarray, k: np.ndarray,
                 batch: InputBatch, block_size: int) -> None:
@@ -165,8 +190,12 @@ class SpecDecodeStep:
                     batch.num_blocks[row] = keep
 
     def _propose(self, req_ids: list[str], sampled_idx: np.ndarray, rows: np.ndarray,
-                 batch: InputBatch, constrained: Any = ()) -> list[list[int]]:
+                 batch: InputBatch, constrained: Any = (), gate_open: bool = True
+                 ) -> list[list[int]]:
         ids, hists, ks, prompts, where = [], [], [], [], []
+        idle: list[tuple[str, np.ndarray, int]] = []  # not drafting now: index update only
+        asked = self._asked
+        asked.clear()
         for j, i in enumerate(sampled_idx.tolist()):
             row = int(rows[j])
             n = int(batch.num_tokens[row])
@@ -177,11 +206,17 @@ class SpecDecodeStep:
                 continue
             # A seeded sampled request's tokens depend on its drafts: their length must not
             # depend on the batch or the clock (cost-aware lengths), only on its own history.
-            kk = min(self.adaptive.num_drafts(rid, independent=row in batch.generators),
+            independent = row in batch.generators
+            if not (gate_open or independent):
+                idle.append((rid, batch.token_ids[row, :n], int(batch.num_prompt_tokens[row])))
+                continue
+            asked.add(rid)
+            kk = min(self.adaptive.num_drafts(rid, independent=independent),
                      self.max_model_len - n)
             if self.needs_batch and n + self.config.num_speculative_tokens > self.max_model_len:
                 kk = 0  # the draft loop runs every request K positions ahead
             if kk <= 0:
+                idle.append((rid, batch.token_ids[row, :n], int(batch.num_prompt_tokens[row])))
                 continue
             ids.append(rid)
             hists.append(batch.token_ids[row, :n])
@@ -189,6 +224,11 @@ class SpecDecodeStep:
             prompts.append(int(batch.num_prompt_tokens[row]))
             where.append(i)
         out: list[list[int]] = [[] for _ in req_ids]
+        # A proposer that indexes each request's tokens (suffix) keeps its index current for
+        # the requests it does not draft for, so a finished request's whole output is kept.
+        track = getattr(self.proposer, "track", None)
+        if idle and track is not None:
+            track([x[0] for x in idle], [x[1] for x in idle], [x[2] for x in idle])
         if ids:
             if self.needs_batch:
                 rows_l = [int(batch.req_id_to_row[r]) for r in ids]

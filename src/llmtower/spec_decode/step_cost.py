@@ -55,6 +55,14 @@ class StepCostModel:
             return MAX_RATIO
         return min(MAX_RATIO, max(MIN_RATIO, fixed / per_row))
 
+    def per_row_seconds(self) -> float:
+        """Seconds one more row of a step costs (the fit's slope; before the fit, the mean step
+        split by the prior ratio). 0.0 before any step."""
+        if self.w <= 0.0:
+            return 0.0
+        mx, my = self.sx / self.w, self.sy / self.w
+        return my / (mx + self.fixed_rows())
+
     def min_acceptance(self, num_reqs: int) -> float:
         """The chance of acceptance a draft position needs to pay for itself in a step of
         ``num_reqs`` requests. It costs one row; an accepted token saves the request one step,

@@ -61,6 +61,13 @@ class SuffixProposer:
             out.append(self._propose_one(st, k))
         return out
 
+    def track(self, req_ids: list[str], histories: list[np.ndarray],
+              num_prompts: list[int]) -> None:
+        """Index the new tokens of requests that are not drafting this step (cheap: no
+        lookup), so their trees are current when they draft again and when they finish."""
+        for rid, hist, num_prompt in zip(req_ids, histories, num_prompts):
+            self._update(rid, hist, num_prompt)
+
     def _update(self, rid: str, hist: np.ndarray, num_prompt: int) -> _Request:
         st = self._reqs.get(rid)
         n = len(hist)
@@ -81,11 +88,18 @@ class SuffixProposer:
         ctx = st.tokens[-(self.max_depth - 1):]
         best: list[int] = []
         best_score = 0.0
+        # Leave the trie room below the match for a k-token draft (its depth is bounded).
+        max_len = min(max(1, self.max_depth - k), self.max_depth - 1)
         for tree in (st.tree, self.global_tree):
-            if tree is None:
+            if tree is None or not tree.root.children:
                 continue
-            # Leave the trie room below the match for a k-token draft (its depth is bounded).
-            node, m = tree.longest_continued_match(ctx, max(1, self.max_depth - k))
+            if tree is st.tree:
+                # The request's active nodes are its suffixes in its own tree, longest first:
+                # the first one with a continuation is the longest match, with no walk.
+                node = next((a for a in st.active if a.depth <= max_len and a.children), None)
+                m = node.depth if node is not None else 0
+            else:
+                node, m = tree.longest_continued_match(ctx, max_len)
             if node is None:
                 continue
             limit = min(k, int(self.max_spec_factor * m))

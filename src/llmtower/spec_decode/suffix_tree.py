@@ -33,11 +33,26 @@ class SuffixTree:
     def append(self, active: list[SuffixNode], tok: int) -> list[SuffixNode]:
         """Extend a sequence whose current suffixes end at ``active`` by ``tok``; returns the
         new active nodes (longest suffix first)."""
+        # The hottest loop of suffix decoding (max_depth dict updates per token of every
+        # request): _child inlined, the root handled as one more parent.
         out: list[SuffixNode] = []
-        for node in active:
-            if node.depth < self.max_depth:
-                out.append(self._child(node, tok))
-        out.append(self._child(self.root, tok))
+        add = out.append
+        max_depth = self.max_depth
+        created = 0
+        for node in (*active, self.root):
+            depth = node.depth
+            if depth >= max_depth:
+                continue
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            child = children.get(tok)
+            if child is None:
+                child = children[tok] = SuffixNode(depth + 1)
+                created += 1
+            child.count += 1
+            add(child)
+        self.num_nodes += created
         return out
 
     def insert(self, tokens: Sequence[int]) -> None:

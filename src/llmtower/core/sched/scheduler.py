@@ -415,8 +415,8 @@ class Scheduler:
         if step.reserve < 0:  # sized once, at the first request that yields
             step.reserve = 0
             running = self.running
-            if len(running) < step.max_seqs or (running and self.policy.displaces(
-                    head, self.policy.victim(running))):
+            if (len(running) < step.max_seqs
+                    or self.policy.displacement_victim(head, running) is not None):
                 cfg = self.config
                 need = head.num_tokens - head.num_computed_tokens
                 if cfg.long_prefill_token_threshold:
@@ -540,8 +540,8 @@ class Scheduler:
         ``req`` may displace it. Returns whether one was preempted."""
         if not self.policy.may_displace or not self.running:
             return False
-        victim = self.policy.victim(self.running)
-        if not self.policy.displaces(req, victim):
+        victim = self.policy.displacement_victim(req, self.running)
+        if victim is None:
             return False
         self._preempt(victim, step, now)
         displaced.append(victim)
@@ -586,6 +586,7 @@ class Scheduler:
             swap_in_compressed=step.swap_in_int8,
             blocks_to_move=step.moves,
             scheduled_spec_decode_tokens=step.spec,
+            num_waiting_reqs=len(self.waiting),
             preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
             num_prefill_tokens=step.num_prefill_tokens,
