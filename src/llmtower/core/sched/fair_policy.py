@@ -40,13 +40,15 @@ from llmtower.core.sched.request_queue import RequestQueue
 class TenantStats:
     """What one tenant was served (for metrics and the operator)."""
 
-    __slots__ = ("tokens_served", "num_admitted", "queue_time_sum", "num_unfinished")
+    __slots__ = ("tokens_served", "num_admitted", "queue_time_sum", "num_unfinished",
+                 "busy_from")
 
     def __init__(self) -> None:
         self.tokens_served = 0
         self.num_admitted = 0  # first admissions
         self.queue_time_sum = 0.0  # seconds from queueing to first admission
         self.num_unfinished = 0
+        self.busy_from = 0.0  # its counter when its current busy period began
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -146,7 +148,10 @@ class FairPolicy(SchedulingPolicy):
         # two sequence slots) then waited for the flooding tenant's requests to finish: the
         # light p99 TTFT in steps went from 1.0x to 2.5x of its unloaded value
         # (benchmarks/tenant_fairness_steps.py, seed 1). The budget is within VTC's bound.
-        self.return_credit = float(config.max_num_batched_tokens)
+        self.return_credit = 2.0 * config.max_num_batched_tokens
+        # Displacement hysteresis (weighted tokens), on top of the victim's own tokens: see
+        # ``displaces``. The credit exceeds it, so a returning tenant displaces at once.
+        self.margin = float(config.max_num_batched_tokens)
         self.charge = self._charge
 
     def make_queue(self) -> RequestQueue:
@@ -156,8 +161,35 @@ class FairPolicy(SchedulingPolicy):
         return self._rank.get(req.seq, 0.0)
 
     def displaces(self, waiting: Request, victim: Request) -> bool:
-        return (victim.tenant != waiting.tenant
-                and self.rank(victim) > self.counters.get(waiting.tenant, 0.0))
+        """Live counters with hysteresis: the victim's tenant must have been served more than
+        the waiting one's by ``margin`` (one step's budget: what one step can move a counter
+        by, so the displacement cannot be reversed in the same step), plus, for a victim that
+        was preempted before, its own tokens (prompt and outputs, which it recomputes or swaps
+        back): then its own progress never makes it a victim again, which rules out two long
+        requests displacing each other in turn for ever (each recomputing from scratch)."""
+        if victim.tenant == waiting.tenant:
+            return False
+        counters = self.counters
+        gap = counters.get(victim.tenant, 0.0) - counters.get(waiting.tenant, 0.0)
+        return gap > self.margin + self._protection(victim)
+
+    def _protection(self, req: Request) -> float:
+        return req.num_tokens / self.weights.get(req.tenant, 1.0) if req.num_preemptions else 0.0
+
+    def displacement_victim(self, waiting: Request, running: list[Request]) -> Request | None:
+        # The most-served other tenant's request that is cheapest to displace (least
+        # protection, fewest tokens, then the latest admitted): ranked by live counters, so an
+        # old request of a flooding tenant is displaceable however long ago it was admitted.
+        counters = self.counters
+        best: Request | None = None
+        best_key: tuple = ()
+        for r in running:
+            if r.tenant == waiting.tenant:
+                continue
+            key = (counters.get(r.tenant, 0.0), -self._protection(r), -r.num_tokens, r.seq)
+            if best is None or key > best_key:
+                best, best_key = r, key
+        return best if best is not None and self.displaces(waiting, best) else None
 
     def yields_budget(self, running: Request, waiting: Request) -> bool:
         # A running prefill of a tenant served more than the waiting one (live counters: a
@@ -181,11 +213,20 @@ class FairPolicy(SchedulingPolicy):
         t = req.tenant
         st = self._stats(t)
         if st.num_unfinished == 0:
-            # A returning (or new) tenant starts level with the least-served active tenant.
-            active = [self.counters.get(a, 0.0) for a, s in self.stats.items()
-                      if s.num_unfinished and a != t]
-            floor = (min(active) if active else self._idle_level) - self.return_credit
-            self.counters[t] = max(self.counters.get(t, 0.0), floor)
+            # A returning (or new) tenant starts level with the least-served active tenant
+            # (VTC), less a credit that lets it displace a flood at once: at most
+            # ``return_credit``, and at most what that tenant was served in its current busy
+            # period. Without that cap a flood returning while a light tenant ran one request
+            # got the whole credit, and the light tenant's next arrivals waited behind it for
+            # two steps' budget of the flood's service (0.5-1 s at --max-num-seqs 2). At an
+            # empty scheduler there is no credit (nobody to displace).
+            counters = self.counters
+            levels = [counters.get(a, 0.0) - min(self.return_credit,
+                                                 counters.get(a, 0.0) - s.busy_from)
+                      for a, s in self.stats.items() if s.num_unfinished and a != t]
+            floor = min(levels) if levels else self._idle_level
+            counters[t] = max(counters.get(t, 0.0), floor)
+            st.busy_from = counters[t]
         st.num_unfinished += 1
 
     def on_admit(self, req: Request) -> None:

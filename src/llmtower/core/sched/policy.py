@@ -77,6 +77,14 @@ class SchedulingPolicy:
         Never, by default."""
         return False
 
+    def displacement_victim(self, waiting: Request, running: list[Request]) -> Request | None:
+        """The running request that ``waiting`` preempts at the ``max_num_seqs`` or KV limit
+        (only when ``may_displace``), or None: by default the victim, if ``displaces`` allows."""
+        if not running:
+            return None
+        victim = self.victim(running)
+        return victim if self.displaces(waiting, victim) else None
+
     def yields_budget(self, _running: Request, _waiting: Request) -> bool:
         """Does the running request's prefill chunk leave room in this step's budget for the
         waiting head's prompt (budget reservation, only when ``may_displace``)? Never, by
