@@ -22,8 +22,12 @@ def test_packed_weight_gives_the_plain_weights_results(dtype, rows):
     up = torch.randn(160, 96, generator=g).to(dtype)
     bias = torch.randn(160, generator=g).to(dtype)
     pw, pup = L.prepack(w), L.prepack(up)
-    assert pw.is_mkldnn and tuple(pw.shape) == (160, 96)
-    if rows > 1:  # one float32 row: the plain weight takes a GEMV (another summation order)
+    onednn = pw.onednn if isinstance(pw, L.PackedWeight) else pw
+    assert onednn.is_mkldnn and tuple(pw.shape) == (160, 96)
+    # One float32 row: the plain weight takes a GEMV (another summation order); few bfloat16
+    # rows: the few-row kernel (tests/kernels/test_gemv_bf16.py).
+    few_row_kernel = isinstance(pw, L.PackedWeight) and rows <= L.GEMV_MAX_ROWS
+    if rows > 1 and not few_row_kernel:
         assert torch.equal(L.linear(x, pw, bias), L.linear(x, w, bias))
         assert torch.equal(L.silu_mul(x, pw, pup), L.silu_mul(x, w, up))
     torch.testing.assert_close(L.linear(x, pw).float(), (x.float() @ w.float().T),
@@ -55,3 +59,40 @@ def test_model_logits_unchanged_by_packing(dtype, tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(llama_module, "prepack", L._identity)
     plain = our_logits(tiny_llama_dir, IDS, dtype)
     assert torch.equal(packed, plain)
+
+
+@pytest.mark.skipif(L.prepack is L._prepack_onednn, reason="the few-row kernel does not run here")
+def test_linear_takes_the_kernel_for_few_rows_and_onednn_beyond(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    up = torch.randn(200, 96, generator=g).bfloat16()
+    pw = L.prepack(w)
+    assert isinstance(pw, L.PackedWeight)
+    gate_pair, pup = L.prepack_gate_up(w, up)
+    x = torch.randn(L.GEMV_MAX_ROWS + 1, 96, generator=g).bfloat16()
+    few = x[:L.GEMV_MAX_ROWS]
+    assert torch.equal(L.linear(few, pw), pw.gemv(few))
+    assert torch.equal(L.silu_mul(few, gate_pair, pup), gate_pair.gemv.silu_mul(few))
+    assert torch.equal(L.linear(x, pw), L.linear(x, pw.onednn))
+    monkeypatch.setattr(L, "GEMV_MAX_ROWS", 0)  # off: oneDNN at every row count
+    assert torch.equal(L.linear(few, pw), L.linear(few, pw.onednn))
+    torch.testing.assert_close(L.linear(few, pw).float(), few.float() @ w.float().T,
+                               rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.skipif(L.prepack is L._prepack_onednn, reason="the few-row kernel does not run here")
+def test_tiny_model_greedy_decode_unchanged_by_the_kernel(tiny_llama_dir, monkeypatch):
+    """bfloat16 greedy decoding (one and three requests: 1-3 rows per step, the kernel's
+    range) gives the tokens oneDNN gives."""
+    from tests.executor.exactness_helpers import add_greedy, make_engine, random_prompts, run_all
+    prompts = random_prompts(3, 3, 60, seed=1)
+
+    def greedy(batch: list[list[int]]) -> list[list[int]]:
+        core = make_engine(tiny_llama_dir, dtype="bfloat16")
+        add_greedy(core, batch, 24)
+        out = run_all(core)
+        return [out[str(i)] for i in range(len(batch))]
+
+    with_kernel = greedy(prompts), greedy(prompts[:1])
+    monkeypatch.setattr(L, "GEMV_MAX_ROWS", 0)
+    assert (greedy(prompts), greedy(prompts[:1])) == with_kernel

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
-from llmtower.models.linear import linear, prepack, silu_mul
+from llmtower.models.linear import PackedWeight, linear, prepack, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
 from llmtower.models.rope import RotaryEmbedding
 
-Weight = torch.Tensor | QuantizedLinear
+Weight = torch.Tensor | PackedWeight | QuantizedLinear
 # Most sampled rows for which the quantized output layer is used (see LlamaForCausalLM.__init__).
 LM_HEAD_QUANTIZED_MAX_ROWS = 12
 
@@ -56,8 +56,8 @@ class DecoderLayerWeights:
     o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor | None
-    up: torch.Tensor | None
+    gate: torch.Tensor | PackedWeight | None
+    up: torch.Tensor | PackedWeight | None
     down: Weight
     gate_up: QuantizedLinear | None = None  # [2 * intermediate, hidden]: gate rows, then up
 
@@ -91,7 +91,7 @@ class LlamaForCausalLM:
             self.lm_head: Weight = self.embed
         else:
             self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.lm_head_dense: torch.Tensor | None = None
+        self.lm_head_dense: torch.Tensor | PackedWeight | None = None
         if quantization != "none":
             # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
             # output layer at 8 bits or more); the embedding lookup keeps the float table.
@@ -140,7 +140,7 @@ class LlamaForCausalLM:
         up_w = take.linear(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
         gate = up = fused_gate_up = None
         if isinstance(gate_w, torch.Tensor) and isinstance(up_w, torch.Tensor):
-            gate, up = prepack(gate_w), prepack(up_w)
+            gate, up = prepack_gate_up(gate_w, up_w)
         else:
             fused = _fuse([gate_w, up_w])
             assert isinstance(fused, QuantizedLinear)
