@@ -21,10 +21,13 @@ such requests are usually of other lengths than the batch's.
 One stream (B = 1) bypasses the gate: there the per-request rule is the same rule, exact, while
 a window of a few steps of a request whose proposer finds no match would judge only noise.
 
-When the rule fails the gate closes: nobody drafts and the proposers skip their lookups. After
-a wait of 8, 16, ... 128 steps (doubling while probes fail) it opens for a probe of
-``MIN_OBSERVED`` steps, with fresh averages, so a batch that starts copying later gets its
-drafts back. Requests that must draft from their own history alone (seeded sampled requests,
+When the rule fails the gate closes: the proposers skip their lookups and nobody drafts but
+*soloists*: requests that accept at least ``SOLO_RATIO`` tokens per rejected row and one token
+per step (a copy-heavy request in a batch of others). Their drafts do not shorten the batch,
+but they cost it little and finish that request several times sooner. After a wait of 8, 16,
+... 128 steps (doubling while probes fail) the gate opens for a probe of at least
+``MIN_OBSERVED`` steps, so a batch that starts copying later gets its drafts back; a request
+joining the batch opens a probe at once. Requests that must draft from their own history alone (seeded sampled requests,
 ``independent``) and steps with requests waiting for a slot (an early finish admits the next
 request at once, the per-request rule's case) bypass the gate.
 """
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 DECAY = 0.7  # per step: the averages span the last ~3-4 steps
 MIN_OBSERVED = 3  # steps a request is observed (since the gate opened) before it is judged
 MIN_WAIT, MAX_WAIT = 8, 128
+SOLO_RATIO, SOLO_MIN_ACCEPTED = 2.0, 1.0  # a soloist's accepted per rejected row, and per step
 
 
 @dataclass
@@ -42,7 +46,7 @@ class _Rate:
     accepted: float = 0.0  # decayed sums per step
     rejected: float = 0.0
     weight: float = 0.0
-    steps: int = 0  # steps observed since the gate last opened
+    steps: int = 0  # steps observed
 
 
 @dataclass
@@ -67,12 +71,11 @@ class BatchDraftGate:
         self.last = GateDecision()
         self.closed_steps_total = 0
         self._rates: dict[str, _Rate] = {}
+        self._known: set[str] = set()  # requests of earlier steps (membership only)
 
     def observe(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
-        """One step's outcome for a sampled request (``num_drafted`` 0: it decoded one token).
-        Only steps of an open gate count: a closed gate learns nothing."""
-        if not self.is_open:
-            return
+        """One step's outcome for a request whose drafts were asked for (``num_drafted`` 0:
+        its proposer or its adaptive length gave none, so it decoded one token)."""
         r = self._rates.get(req_id)
         if r is None:
             r = self._rates[req_id] = _Rate()
@@ -89,27 +92,37 @@ class BatchDraftGate:
             if not self.is_open:
                 self._open()
             return True
+        known = self._known
+        newcomer = False
+        for rid in req_ids:
+            if rid not in known:
+                known.add(rid)
+                newcomer = True
         if not self.is_open:
             self.wait -= 1
             self.closed_steps_total += 1
-            if self.wait > 0:
+            if self.wait > 0 and not newcomer:
                 return False
-            self._open()
+            self._open()  # a probe: the wait is over, or a new request has not been judged
             return True
         self.open_steps += 1
-        min_acc = float("inf")
+        if self.open_steps <= MIN_OBSERVED and self.closed_steps_total:
+            return True  # a probe: judge on the steps it measures, not on stale ones
+        accepted: list[float] = []
         rejected = 0.0
-        judged = 0
         for rid in req_ids:
             r = self._rates.get(rid)
             if r is None or r.steps < MIN_OBSERVED:
                 continue  # too new to judge: it neither blocks nor vouches
-            judged += 1
-            min_acc = min(min_acc, r.accepted / r.weight)
+            accepted.append(r.accepted / r.weight)
             rejected += r.rejected / r.weight
+        judged = len(accepted)
         if judged == 0:
             return True
-        gain = fixed_rows * min_acc
+        accepted.sort()
+        # The slowest request's rate, but from 4 requests on the second slowest's: the least
+        # of several few-step averages is biased low (one request between two copied spans).
+        gain = fixed_rows * accepted[1 if judged >= 4 else 0]
         cost = rejected + host_rows
         self.last = GateDecision(gain, cost, judged)
         if gain >= cost:
@@ -121,12 +134,20 @@ class BatchDraftGate:
         self.backoff = min(MAX_WAIT, self.backoff * 2)
         return False
 
+    def solo(self, req_id: str) -> bool:
+        """Whether ``req_id`` drafts while the gate is closed: it accepts enough per rejected
+        row and per step (judged on its recent steps; a soloist keeps being measured)."""
+        r = self._rates.get(req_id)
+        return (r is not None and r.steps >= MIN_OBSERVED
+                and r.accepted >= SOLO_RATIO * r.rejected
+                and r.accepted >= SOLO_MIN_ACCEPTED * r.weight)
+
     def _open(self) -> None:
-        """Open for a probe: what was measured before the gate closed is stale."""
+        """Open for a probe (the requests' averages go on: decayed, they soon follow it)."""
         self.is_open = True
         self.open_steps = 0
         self.wait = 0
-        self._rates.clear()
 
     def remove(self, req_id: str) -> None:
         self._rates.pop(req_id, None)
+        self._known.discard(req_id)

@@ -207,7 +207,7 @@ class SpecDecodeStep:
             # A seeded sampled request's tokens depend on its drafts: their length must not
             # depend on the batch or the clock (cost-aware lengths), only on its own history.
             independent = row in batch.generators
-            if not (gate_open or independent):
+            if not (gate_open or independent or self.gate.solo(rid)):
                 idle.append((rid, batch.token_ids[row, :n], int(batch.num_prompt_tokens[row])))
                 continue
             asked.add(rid)
