@@ -130,8 +130,11 @@ class SpecDecodeStep:
         plain = np.flatnonzero(k == 0)
         plain_lp = None
         if plain.size:
-            tokens, plain_lp = self.sampler(logits[torch.from_numpy(offsets[plain])],
-                                            rows[plain], batch)
+            # No drafts in the step (the gate closed, the common case where nothing is
+            # copied): the logits rows are the plain ones already; a gather would copy them.
+            plain_logits = (logits if plain.size == len(k) == logits.shape[0]
+                            else logits[torch.from_numpy(offsets[plain])])
+            tokens, plain_lp = self.sampler(plain_logits, rows[plain], batch)
             for j, t in zip(plain.tolist(), tokens.tolist()):
                 results[j] = [t]
         drafted = np.flatnonzero(k > 0)
