@@ -1,5 +1,6 @@
 """Two tenants on a live `llmtower serve`, one sending 10x the other's rate at 2x what the
-server completes, under --policy fcfs and --policy fair: each tenant's p99 TTFT, next to the
+server completes, under --policy fcfs, priority (the light tenant's requests at priority -1)
+and fair: each tenant's p99 TTFT, next to the
 light tenant alone (unloaded) measured the same way in the same run, and the same shape in the
 simulator.
 
@@ -55,7 +56,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "server")]
 
 PROMPT_WORDS = 20  # about 24 tokens with the tiny tokenizer
 OUTPUT_LEN = 128
-POLICIES = ("fcfs", "fair")
+POLICIES = ("fcfs", "priority", "fair")
+# Under --policy priority the light tenant's requests carry this priority (lower = served
+# first): an operator who knows which tenant is light can protect it without `fair`.
+LIGHT_PRIORITY = -1
+SIM_POLICIES = ("fcfs", "fair")  # the simulator's traces here carry no per-tenant priority
 KEPT_UP = 0.25  # a round counts as 2x overload if light offered < 25% of what was completed
 
 
@@ -72,6 +77,12 @@ class Sample:
     client_extra: float  # client round trip minus the engine's end-to-end latency
     sent_at: float  # perf_counter() when the request was sent
     done_at: float  # perf_counter() when the answer arrived
+    send_lag: float = 0.0  # sent_at minus its Poisson arrival time (the client running late)
+
+
+def p50(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def p99(xs: list[float]) -> float:
@@ -80,13 +91,16 @@ def p99(xs: list[float]) -> float:
     return xs[max(0, math.ceil(0.99 * len(xs)) - 1)] if xs else float("nan")
 
 
-async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random) -> Sample:
+async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random,
+              priority: int = 0, due: float | None = None) -> Sample:
     words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"])
                      for _ in range(PROMPT_WORDS))
     # Not streamed: with the tiny model the engine steps in under a millisecond, and 128 SSE
     # chunks per request would make the HTTP front end, not the scheduler, the bottleneck.
     body = {"model": "tiny", "prompt": words, "max_tokens": OUTPUT_LEN, "ignore_eos": True,
             "temperature": 0, "include_metrics": True}
+    if priority:
+        body["priority"] = priority
     t0 = time.perf_counter()
     r = await client.post("/v1/completions", json=body, headers={"X-Tenant": tenant})
     r.raise_for_status()
@@ -95,24 +109,29 @@ async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random) -> Sam
     ttft, queue, prefill = m["ttft_ms"] / 1e3, m["queue_time_ms"] / 1e3, m["prefill_time_ms"] / 1e3
     return Sample(tenant, ttft, max(0.0, ttft - queue - prefill), queue, prefill,
                   m["num_preemptions"], max(0.0, rtt - m["e2e_latency_ms"] / 1e3), t0,
-                  time.perf_counter())
+                  time.perf_counter(), 0.0 if due is None else t0 - due)
 
 
 async def offered_load(url: str, rates: dict[str, float], duration: float,
-                       seed: int) -> list[Sample]:
-    """Poisson arrivals per tenant for ``duration`` s; waits for every request to finish."""
+                       seed: int, priorities: dict[str, int] | None = None) -> list[Sample]:
+    """Poisson arrivals per tenant for ``duration`` s; waits for every request to finish.
+    One asyncio client in this process (no process per request): each arrival time is
+    fixed in advance (absolute, so a late wake-up does not shift the later ones), and how
+    late the request really left is kept per sample (``send_lag``) and printed per phase."""
+    prio = priorities or {}
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         tasks: list[asyncio.Task] = []
 
         async def tenant_loop(t: str, rate: float) -> None:
-            end = time.perf_counter() + duration
+            due = start = time.perf_counter()
             while True:
-                await asyncio.sleep(rng.expovariate(rate))
-                if time.perf_counter() > end:
+                due += rng.expovariate(rate)
+                if due > start + duration:
                     return
-                tasks.append(asyncio.create_task(one(client, t, rng)))
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(client, t, rng, prio.get(t, 0), due)))
 
         await asyncio.gather(*(tenant_loop(t, r) for t, r in rates.items()))
         out: list[Sample] = []
@@ -173,6 +192,7 @@ def phase(name: str, engine_cpu: CpuClock, coro, duration: float,
     wall = time.perf_counter() - t0
     share = (engine_cpu.seconds() - c0) / wall
     light = [s.ttft for s in out if s.tenant == "light"]
+    lag = p99([s.send_lag for s in out])
     # What the server completed while the load was offered (after the first quarter, once
     # the queue has formed): the light tenant is within its half share under `fair` only if
     # it offers less than half of that.
@@ -180,8 +200,9 @@ def phase(name: str, engine_cpu: CpuClock, coro, duration: float,
     done = sum(lo <= s.done_at < hi for s in out) / (hi - lo)
     served = "" if len(light) == len(out) else \
         f"completed {done:5.2f} req/s (light offers {light_rate / max(done, 1e-9):4.0%})  "
-    print(f"  {name:<17} {len(out):4d} req  light p99 {p99(light):6.3f} s (n={len(light)})  "
-          f"{served}engine cpu {share:4.2f}  load {os.getloadavg()[0]:5.2f}")
+    print(f"  {name:<17} {len(out):4d} req  light p50 {p50(light):6.3f} p99 {p99(light):6.3f} s "
+          f"(n={len(light)})  {served}engine cpu {share:4.2f}  client send lag p99 "
+          f"{lag * 1e3:4.1f} ms  load {os.getloadavg()[0]:5.2f}")
     return out, done
 
 
@@ -214,7 +235,7 @@ def simulate(duration: float, max_num_seqs: int) -> dict:
     light_alone = run(["--num-requests", str(max(2, num_requests // 11)), "--rate",
                        f"{2 * cap / 11:.4f}", "--tenants", "light:1"], "alone")
     rows["unloaded"] = _sim_p99(light_alone, ["light"])
-    for policy in POLICIES:
+    for policy in SIM_POLICIES:
         res = run(["--num-requests", str(num_requests), "--rate", f"{2 * cap:.4f}",
                    "--tenants", "heavy:10,light:1", "--policy", policy], policy)
         rows[policy] = _sim_p99(res, ["heavy", "light"])
@@ -267,12 +288,13 @@ def main() -> None:
             for policy, server in servers.items():
                 cpu = CpuClock(server.engine_pid())
                 seed = 1000 * rnd
+                prio = {"light": LIGHT_PRIORITY} if policy == "priority" else None
                 alone, _ = phase(f"{policy} unloaded", cpu, offered_load(
-                    server.base_url, {"light": light}, args.duration, seed + 1),
+                    server.base_url, {"light": light}, args.duration, seed + 1, prio),
                     args.duration, light)
                 loaded, done = phase(f"{policy} overload", cpu, offered_load(
-                    server.base_url, {"heavy": heavy, "light": light}, args.duration, seed + 2),
-                    args.duration, light)
+                    server.base_url, {"heavy": heavy, "light": light}, args.duration, seed + 2,
+                    prio), args.duration, light)
                 samples.setdefault((policy, "unloaded"), []).append(alone)
                 samples.setdefault((policy, "overload"), []).append(loaded)
                 kept_up.setdefault(policy, []).append(light < KEPT_UP * done)
@@ -301,7 +323,7 @@ def report(samples: dict[tuple[str, str], list[list[Sample]]], sim: dict | None,
         r = rows[name]
         line = f"{name:<22}{r.get('heavy', float('nan')):>12.3f}{r['light']:>12.3f}"
         if sim is not None:
-            s = sim[name]
+            s = sim.get(name, {"light": float("nan")})
             line += f"{s.get('heavy', float('nan')):>12.3f}{s['light']:>12.3f}"
         print(line)
     counts = ", ".join(f"{p} {len(_ttfts(samples[(p, 'overload')], 'light'))}" for p in POLICIES)
@@ -309,7 +331,15 @@ def report(samples: dict[tuple[str, str], list[list[Sample]]], sim: dict | None,
     print("light p99 / unloaded (pooled): real " + ", ".join(
         f"{p} {rows[p]['light'] / base:.1f}x" for p in POLICIES)
         + ("" if sim is None else "; sim " + ", ".join(
-            f"{p} {sim[p]['light'] / sim['unloaded']['light']:.1f}x" for p in POLICIES)))
+            f"{p} {sim[p]['light'] / sim['unloaded']['light']:.1f}x" for p in SIM_POLICIES)))
+    base_all = _ttfts(unloaded, "light")
+    print(f"unloaded light baseline, all servers pooled: p50 {p50(base_all):.3f} s, p99 "
+          f"{base:.3f} s (n={len(base_all)}); per phase p99 (s): " + ", ".join(
+              f"{p} " + " ".join(f"{p99(_ttfts([r], 'light')):.3f}"
+                                 for r in samples[(p, "unloaded")]) for p in POLICIES))
+    for p in POLICIES:
+        lo = _ttfts(samples[(p, "overload")], "light")
+        print(f"  {p} overload light: p50 {p50(lo):.3f} s, p99 {p99(lo):.3f} s (n={len(lo)})")
     for p in POLICIES:
         own = p99(_ttfts(samples[(p, "unloaded")], "light"))
         # Each round against the same server's unloaded phase just before it.
@@ -331,8 +361,22 @@ def report(samples: dict[tuple[str, str], list[list[Sample]]], sim: dict | None,
         print(f"  {p}, the {len(ok)} of {len(kept_up[p])} rounds in which the server kept up: "
               f"light p99 {p99(lo):.3f} s (n={len(lo)}) against unloaded {p99(un):.3f} s "
               f"(n={len(un)}): {p99(lo) / p99(un):.1f}x")
+    print("where the light requests' time went, p50 / p99 (ms): transport API -> engine, "
+          "engine queue, first scheduled -> first token, client send lag")
+    _components("unloaded (all servers)", unloaded)
+    for p in POLICIES:
+        _components(f"{p} overload", samples[(p, "overload")])
     _tail("slowest light requests under fair", samples[("fair", "overload")])
     _tail("slowest light requests alone", unloaded)
+
+
+def _components(name: str, rounds: list[list[Sample]]) -> None:
+    light = [s for r in rounds for s in r if s.tenant == "light"]
+    cells = []
+    for f in ("transport", "queue", "prefill", "send_lag"):
+        xs = [getattr(s, f) * 1e3 for s in light]
+        cells.append(f"{p50(xs):6.1f} / {p99(xs):7.1f}")
+    print(f"  {name:<24}" + "  ".join(cells))
 
 
 def _tail(title: str, rounds: list[list[Sample]]) -> None:

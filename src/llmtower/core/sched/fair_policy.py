@@ -6,19 +6,21 @@
   step runs), divided by the tenant's weight (``--tenant-weights a=2,b=1``; default 1).
 - Admission takes the oldest waiting request of the tenant with the **smallest** counter.
 - A tenant that comes back after idling (no request waiting or running) has its counter
-  lifted to the smallest counter among the active tenants, less one step's token budget
-  (``return_credit``, within VTC's own fairness bound), so idling earns no more credit than
-  that. The credit is what lets a returning light tenant displace the flooding tenant's
-  latest-admitted request at once instead of waiting for a slot to free.
-- Preemption victims come from the tenant with the **largest** counter, read when each
-  request was (re)admitted: a live counter would make two tenants preempt each other in turn
-  (each one's counter overtakes the other's while it runs), so the rank of a running request
-  is frozen until it is preempted and admitted again (see ``policy.py``: no livelock).
-- A waiting request may displace (preempt) a running request of *another* tenant whose rank
-  is above the waiting tenant's counter, at the ``max_num_seqs`` and KV limits: a light
-  tenant does not wait for a flooding tenant's requests to finish. It never displaces its own
-  tenant's requests (their ranks are at most its current counter), and a displaced request,
-  re-ranked higher when it returns, cannot displace the request that displaced it.
+  lifted to the smallest counter among the active tenants, less a credit: at most
+  ``return_credit`` (two steps' token budget) and at most what that tenant was served in its
+  current busy period; at an empty scheduler, to the counter of the last tenant that went
+  idle. The credit lets a returning light tenant displace the flood at once; its cap keeps a
+  flood returning while a light tenant runs from putting the light tenant's next arrivals
+  behind two steps' budget of flood service.
+- Displacement (a waiting request preempting a running one of *another* tenant, at the
+  ``max_num_seqs`` and KV limits) reads the live counters: the victim is the cheapest request
+  of the most-served other tenant, taken only if that tenant's counter exceeds the waiting
+  tenant's by more than ``margin`` (one step's budget) plus, if the victim was preempted
+  before, its own tokens (see ``displaces``: no reversal within a step, no two long requests
+  displacing each other for ever). It never displaces its own tenant's requests.
+- Victims at the KV limit of a running request (step 1 of a step) come from the tenant with
+  the **largest** counter read when each request was (re)admitted: frozen while it runs, so
+  the most protected running request is never the victim (see ``policy.py``: no livelock).
 
 The guarantee (VTC): between two backlogged tenants the difference of their counters stays
 within a bound of the order of one step's tokens plus one request's length, so their service
@@ -142,15 +144,15 @@ class FairPolicy(SchedulingPolicy):
         # empty scheduler is lifted to (as VTC does), else a tenant new or long idle would
         # come back owed everything the others were served meanwhile.
         self._idle_level = 0.0
-        # One step's token budget. It used to be capped by max_model_len too; with
+        # Two steps' token budget: above ``margin`` (one step's), so that a returning tenant
+        # displaces at once. A max_model_len cap was too small before: with
         # --max-model-len 512 and a budget of 2048 that left a returning light tenant about
         # three requests of credit, and a burst of its own requests (128 output tokens each,
         # two sequence slots) then waited for the flooding tenant's requests to finish: the
         # light p99 TTFT in steps went from 1.0x to 2.5x of its unloaded value
-        # (benchmarks/tenant_fairness_steps.py, seed 1). The budget is within VTC's bound.
+        # (benchmarks/tenant_fairness_steps.py, seed 1). The credit is within VTC's bound.
         self.return_credit = 2.0 * config.max_num_batched_tokens
-        # Displacement hysteresis (weighted tokens), on top of the victim's own tokens: see
-        # ``displaces``. The credit exceeds it, so a returning tenant displaces at once.
+        # Displacement hysteresis (weighted tokens), see ``displaces``.
         self.margin = float(config.max_num_batched_tokens)
         self.charge = self._charge
 
