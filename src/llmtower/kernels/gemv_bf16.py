@@ -77,37 +77,43 @@ class GemvWeight:
             u = _pad_rows(up, pad).view(-1, SILU_HALF_TILE, self.k)
             weight = torch.cat([g, u], dim=1).reshape(-1, self.k)
         self.packed = _pack(weight.contiguous())
+        self._packed_ptr = self.packed.data_ptr()
 
+    # The two calls below run ~90 times per decode step: their checks are one comparison of
+    # the shape and strides the kernel relies on (x.dim() == 2 is implied by the shape pair).
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` in bfloat16 for x [M, K] bfloat16 (rows may be strided)."""
-        m = x.shape[0]
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1:
-            raise ValueError(f"gemv_bf16: x must be bfloat16 [M, {self.k}] with unit column "
-                             f"stride, not {x.dtype} {tuple(x.shape)}")
-        if self.silu_pair:
-            raise TypeError("this weight holds a gate/up pair: call silu_mul")
-        out = x.new_empty(m, self.n)
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k \
+                or x.stride(1) != 1 or self.silu_pair:
+            self._refuse(x, want_pair=False)
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
                                  or bias.numel() != self.n):
             raise ValueError(f"gemv_bf16: bias must be contiguous bfloat16 [{self.n}]")
-        self._lib.gemv_bf16(x.data_ptr(), m, x.stride(0), self.packed.data_ptr(), self.n, self.k,
+        m = x.shape[0]
+        out = x.new_empty(m, self.n)
+        self._lib.gemv_bf16(x.data_ptr(), m, x.stride(0), self._packed_ptr, self.n, self.k,
                             None if bias is None else bias.data_ptr(), out.data_ptr(), self.n,
                             torch.get_num_threads(), self.path)
         return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x @ gate.T) * (x @ up.T)`` in bfloat16 for x [M, K] bfloat16."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k \
+                or x.stride(1) != 1 or not self.silu_pair:
+            self._refuse(x, want_pair=True)
         m = x.shape[0]
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1:
-            raise ValueError(f"gemv_bf16: x must be bfloat16 [M, {self.k}] with unit column "
-                             f"stride, not {x.dtype} {tuple(x.shape)}")
-        if not self.silu_pair:
-            raise TypeError("this weight is a single matrix: call it")
         out = x.new_empty(m, self.n)
-        self._lib.gemv_bf16_silu_mul(x.data_ptr(), m, x.stride(0), self.packed.data_ptr(),
-                                     self.n, self.k, out.data_ptr(), self.n,
-                                     torch.get_num_threads(), self.path)
+        self._lib.gemv_bf16_silu_mul(x.data_ptr(), m, x.stride(0), self._packed_ptr, self.n,
+                                     self.k, out.data_ptr(), self.n, torch.get_num_threads(),
+                                     self.path)
         return out
+
+    def _refuse(self, x: torch.Tensor, want_pair: bool) -> None:
+        if want_pair != self.silu_pair:
+            raise TypeError("this weight holds a gate/up pair: call silu_mul" if self.silu_pair
+                            else "this weight is a single matrix: call it, not silu_mul")
+        raise ValueError(f"gemv_bf16: x must be bfloat16 [M, {self.k}] with unit column "
+                         f"stride, not {x.dtype} {tuple(x.shape)}")
 
 
 def _pad_rows(w: torch.Tensor, pad: int) -> torch.Tensor:
