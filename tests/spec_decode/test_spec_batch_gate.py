@@ -123,8 +123,9 @@ def test_suffix_track_keeps_a_non_drafting_request_in_the_global_tree():
     prompt = [5, 6, 7]
     out = [11, 12, 13, 14, 15, 16]
     p.propose(["a"], [np.array(prompt + out[:1])], [4], [3])
-    # the gate closed: no more lookups, but the index keeps up with every new token
+    # the gate closed: no lookups, no indexing, but every new token is recorded
     p.track(["a"], [np.array(prompt + out)], [3])
+    assert p._reqs["a"].indexed == 4
     p.remove("a")
     assert p.propose(["b"], [np.array([1, 2, 11, 12, 13])], [3], [2]) == [[14, 15, 16]]
 
@@ -134,7 +135,7 @@ def test_own_tree_match_from_active_nodes_equals_the_binary_search():
     for _ in range(30):
         p = SuffixProposer(max_depth=rng.choice([4, 8, 24]), max_cached_requests=0)
         toks = [rng.randrange(4) for _ in range(rng.randint(2, 80))]
-        st = p._update("r", np.array(toks), 1)
+        st = p._update("r", np.array(toks), 1, index=True)
         k = rng.randint(1, 8)
         max_len = min(max(1, p.max_depth - k), p.max_depth - 1)
         ref = st.tree.longest_continued_match(toks[-(p.max_depth - 1):], max_len)
@@ -154,7 +155,7 @@ def test_greedy_outputs_identical_with_the_gate_in_a_lock_step_batch(tiny_llama_
     add_requests(base, prompts, 48)
     expected = run_all(base)
     for method in ("ngram", "suffix"):
-        core = make_engine(tiny_llama_dir, spec_json(method, 4))
+        core = make_engine(tiny_llama_dir, spec_json(method, 4, batch_gate=True))
         add_requests(core, prompts, 48)
         assert run_all(core) == expected
         assert core.scheduler.spec_stats.num_draft_tokens > 0

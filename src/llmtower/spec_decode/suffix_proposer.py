@@ -33,6 +33,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     tree: SuffixTree | None = None
     active: list[SuffixNode] = field(default_factory=list)
+    indexed: int = 0  # tokens[:indexed] are in the tree
 
 
 class SuffixProposer:
@@ -57,31 +58,33 @@ class SuffixProposer:
         out = []
         for i, (rid, hist, k) in enumerate(zip(req_ids, histories, num_drafts)):
             num_prompt = num_prompts[i] if num_prompts is not None else len(hist) - 1
-            st = self._update(rid, hist, num_prompt)
+            st = self._update(rid, hist, num_prompt, index=True)
             out.append(self._propose_one(st, k))
         return out
 
     def track(self, req_ids: list[str], histories: list[np.ndarray],
               num_prompts: list[int]) -> None:
-        """Index the new tokens of requests that are not drafting this step (cheap: no
-        lookup), so their trees are current when they draft again and when they finish."""
+        """Record the new tokens of requests that are not drafting this step, so a finished
+        request's whole output joins the global tree. Their own trees are brought up to date
+        only when they draft again: a request that never does is never indexed."""
         for rid, hist, num_prompt in zip(req_ids, histories, num_prompts):
-            self._update(rid, hist, num_prompt)
+            self._update(rid, hist, num_prompt, index=False)
 
-    def _update(self, rid: str, hist: np.ndarray, num_prompt: int) -> _Request:
+    def _update(self, rid: str, hist: np.ndarray, num_prompt: int, index: bool) -> _Request:
         st = self._reqs.get(rid)
         n = len(hist)
         if st is None or n < len(st.tokens):  # new (or rewritten: rebuild)
             st = self._reqs[rid] = _Request(num_prompt, tree=SuffixTree(self.max_depth))
         if n > len(st.tokens):
-            new = hist[len(st.tokens):].tolist()
+            st.tokens.extend(hist[len(st.tokens):].tolist())
+        if index and st.indexed < len(st.tokens):
             tree = st.tree
             assert tree is not None
             active = st.active
-            for t in new:
+            for t in st.tokens[st.indexed:]:
                 active = tree.append(active, t)
             st.active = active
-            st.tokens.extend(new)
+            st.indexed = len(st.tokens)
         return st
 
     def _propose_one(self, st: _Request, k: int) -> list[int]:
