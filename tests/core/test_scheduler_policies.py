@@ -194,7 +194,7 @@ def test_fair_idle_tenant_earns_no_credit():
     e = make_engine(policy="fair", num_blocks=128, max_num_seqs=2, enable_prefix_caching=False,
                     max_num_batched_tokens=64, max_model_len=64)
     s = e.scheduler
-    for i in range(6):
+    for i in range(10):
         s.add_request(Request(f"a{i}", [1] * 20, SamplingParams(max_tokens=30, ignore_eos=True),
                               eos_token_id=0, arrival_time=0.0, tenant="a"))
     for _ in range(70):
@@ -204,7 +204,8 @@ def test_fair_idle_tenant_earns_no_credit():
     s.add_request(Request("b0", [2] * 20, SamplingParams(max_tokens=10, ignore_eos=True),
                           eos_token_id=0, arrival_time=1.0, tenant="b"))
     # b returns level with the least-served active tenant less the credit (two steps'
-    # budget; a was served more than that in its busy period), not at 0.
+    # budget: a has requests waiting and was served more than that in its busy period), not
+    # at 0.
     credit = s.policy.return_credit
     assert credit == 128 and before > credit
     assert s.policy.counters["b"] == before - credit and s.policy.counters["a"] == before

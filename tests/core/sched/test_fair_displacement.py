@@ -1,14 +1,16 @@
 """``--policy fair``: when a waiting request displaces a running one of another tenant, and how
 much credit a returning tenant gets (issue 17). Deterministic, scheduler level, fake model.
 
-- Displacement reads the tenants' *live* counters (with a margin of one step's budget): before,
-  a running request's rank was its tenant's counter when it was admitted, so a flood's long
-  requests admitted long ago could not be displaced however much the flood was served since.
+- Displacement also reads the tenants' *live* counters (with a margin of one step's budget):
+  before, only a running request's rank counted, its tenant's counter when it was admitted,
+  so a flood's long requests admitted long ago could not be displaced however much the flood
+  was served since.
 - A request already preempted once is protected by its own tokens: two long requests never
   displace each other in turn for ever.
-- A returning tenant's credit is capped by what the others were served in their current busy
-  period: a flood returning while a light tenant runs one request no longer makes the light
-  tenant's next arrivals wait behind two steps' budget of the flood.
+- A returning tenant gets credit only against tenants with requests waiting, capped by what
+  they were served in their current busy period: a flood returning while a light tenant runs
+  one request no longer makes the light tenant's next arrivals wait behind a step's budget
+  of the flood.
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ def test_flood_returning_while_the_light_tenant_runs_gets_no_credit_over_it():
     # The light tenant was served alone (its counter ~2,900), went idle, came back with one
     # request; then the flood returns with a burst. Before, the flood was lifted to the light
     # counter less one step's budget (256) and the light tenant's next request waited until
-    # the flood had been served those 256 tokens (~110 steps at two slots). Now its credit is
-    # capped by what the light tenant got in its current busy period (a few tokens).
+    # the flood had been served those 256 tokens (~110 steps at two slots). Now it gets no
+    # credit over a tenant with nothing waiting.
     e = make_engine(policy="fair", num_blocks=512, block_size=4, max_num_seqs=2,
                     max_num_batched_tokens=256, max_model_len=512, enable_prefix_caching=False)
     s = e.scheduler

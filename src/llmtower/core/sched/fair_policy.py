@@ -6,18 +6,19 @@
   step runs), divided by the tenant's weight (``--tenant-weights a=2,b=1``; default 1).
 - Admission takes the oldest waiting request of the tenant with the **smallest** counter.
 - A tenant that comes back after idling (no request waiting or running) has its counter
-  lifted to the smallest counter among the active tenants, less a credit: at most
-  ``return_credit`` (two steps' token budget) and at most what that tenant was served in its
-  current busy period; at an empty scheduler, to the counter of the last tenant that went
-  idle. The credit lets a returning light tenant displace the flood at once; its cap keeps a
-  flood returning while a light tenant runs from putting the light tenant's next arrivals
-  behind two steps' budget of flood service.
+  lifted to the smallest counter among the active tenants, less a credit against tenants
+  with requests waiting (at most ``return_credit``, two steps' token budget, and at most what
+  that tenant was served in its current busy period; none against a tenant with nothing
+  waiting); at an empty scheduler, to the counter of the last tenant that went idle. The
+  credit lets a returning light tenant displace the flood at once; its limits keep a flood
+  returning while a light tenant runs from putting the light tenant's next arrivals behind
+  two steps' budget of flood service.
 - Displacement (a waiting request preempting a running one of *another* tenant, at the
-  ``max_num_seqs`` and KV limits) reads the live counters: the victim is the cheapest request
-  of the most-served other tenant, taken only if that tenant's counter exceeds the waiting
-  tenant's by more than ``margin`` (one step's budget) plus, if the victim was preempted
-  before, its own tokens (see ``displaces``: no reversal within a step, no two long requests
-  displacing each other for ever). It never displaces its own tenant's requests.
+  ``max_num_seqs`` and KV limits), by either rule (see ``displaces``): the victim's frozen
+  rank (below) is above the waiting tenant's counter; or the live counter of the victim's
+  tenant (the most-served other one; its cheapest request) exceeds the waiting tenant's by
+  more than ``margin`` (one step's budget) plus, if the victim was preempted before, its own
+  tokens. It never displaces its own tenant's requests.
 - Victims at the KV limit of a running request (step 1 of a step) come from the tenant with
   the **largest** counter read when each request was (re)admitted: frozen while it runs, so
   the most protected running request is never the victim (see ``policy.py``: no livelock).
@@ -95,6 +96,10 @@ class FairQueue(RequestQueue):
         for r in reversed(reqs):
             self.add_front(r)
 
+    def waiting_tenants(self) -> dict[str, int]:
+        """Tenants with requests in the queue, and how many."""
+        return self._live
+
     def _head(self, t: str) -> Request:
         q = self._fifos[t]
         while q[0][1].queue_entry != q[0][0]:
@@ -155,33 +160,51 @@ class FairPolicy(SchedulingPolicy):
         # Displacement hysteresis (weighted tokens), see ``displaces``.
         self.margin = float(config.max_num_batched_tokens)
         self.charge = self._charge
+        self._queue: FairQueue | None = None
 
     def make_queue(self) -> RequestQueue:
-        return FairQueue(self.counters)
+        self._queue = FairQueue(self.counters)
+        return self._queue
 
     def rank(self, req: Request) -> float:
         return self._rank.get(req.seq, 0.0)
 
     def displaces(self, waiting: Request, victim: Request) -> bool:
-        """Live counters with hysteresis: the victim's tenant must have been served more than
-        the waiting one's by ``margin`` (one step's budget: what one step can move a counter
-        by, so the displacement cannot be reversed in the same step), plus, for a victim that
-        was preempted before, its own tokens (prompt and outputs, which it recomputes or swaps
-        back): then its own progress never makes it a victim again, which rules out two long
-        requests displacing each other in turn for ever (each recomputing from scratch)."""
+        """Either rule, only against another tenant:
+
+        - frozen (as before): the victim's rank, its tenant's counter when it was admitted,
+          is above the waiting tenant's counter now. Counters only grow, so the victim's
+          tenant is the more served one, and a displaced request, ranked higher when it
+          comes back, can never displace the request that displaced it;
+        - live: the victim's tenant's counter now exceeds the waiting tenant's by more than
+          ``margin`` (one step's budget) plus, if the victim was preempted before, its own
+          tokens (prompt and outputs, which it recomputes or swaps back). This one reaches a
+          flood's requests admitted long ago, whose frozen rank fell behind. Undoing such a
+          displacement needs the gap to move by twice the margin, more than one step can
+          move it (a refund and a prefill, each within the budget), and the protection of a
+          once-preempted request means its own progress never makes it a victim again: two
+          long requests cannot displace each other in turn for ever, recomputing each time.
+        """
         if victim.tenant == waiting.tenant:
             return False
         counters = self.counters
-        gap = counters.get(victim.tenant, 0.0) - counters.get(waiting.tenant, 0.0)
-        return gap > self.margin + self._protection(victim)
+        mine = counters.get(waiting.tenant, 0.0)
+        return (self.rank(victim) > mine
+                or counters.get(victim.tenant, 0.0) - mine > self.margin + self._protection(victim))
 
     def _protection(self, req: Request) -> float:
         return req.num_tokens / self.weights.get(req.tenant, 1.0) if req.num_preemptions else 0.0
 
     def displacement_victim(self, waiting: Request, running: list[Request]) -> Request | None:
-        # The most-served other tenant's request that is cheapest to displace (least
-        # protection, fewest tokens, then the latest admitted): ranked by live counters, so an
-        # old request of a flooding tenant is displaceable however long ago it was admitted.
+        # First the frozen rule's victim (the largest frozen rank, as at the KV limit); else
+        # the live rule's: the most-served other tenant's request that is cheapest to
+        # displace (least protection, fewest tokens, then the latest admitted).
+        if not running:
+            return None
+        victim = self.victim(running)
+        if victim.tenant != waiting.tenant and self.rank(victim) > self.counters.get(
+                waiting.tenant, 0.0):
+            return victim
         counters = self.counters
         best: Request | None = None
         best_key: tuple = ()
@@ -194,11 +217,13 @@ class FairPolicy(SchedulingPolicy):
         return best if best is not None and self.displaces(waiting, best) else None
 
     def yields_budget(self, running: Request, waiting: Request) -> bool:
-        # A running prefill of a tenant served more than the waiting one (live counters: a
-        # smaller chunk loses nothing, so no livelock argument is needed) leaves it room.
+        # A running prefill of a tenant served at least as much as the waiting one (live
+        # counters: a smaller chunk loses nothing, so no livelock argument is needed) leaves
+        # it room. At least: a tenant returning level with the running one (no credit, as
+        # against a tenant with nothing waiting) is the one VTC serves next.
         counters = self.counters
         return (running.tenant != waiting.tenant
-                and counters.get(running.tenant, 0.0) > counters.get(waiting.tenant, 0.0))
+                and counters.get(running.tenant, 0.0) >= counters.get(waiting.tenant, 0.0))
 
     def same_step_hit_ok(self, _req: Request, _owner: Request) -> bool:
         # Counters move during the scan (and back, when a displaced request is refunded), so
@@ -216,15 +241,18 @@ class FairPolicy(SchedulingPolicy):
         st = self._stats(t)
         if st.num_unfinished == 0:
             # A returning (or new) tenant starts level with the least-served active tenant
-            # (VTC), less a credit that lets it displace a flood at once: at most
-            # ``return_credit``, and at most what that tenant was served in its current busy
-            # period. Without that cap a flood returning while a light tenant ran one request
-            # got the whole credit, and the light tenant's next arrivals waited behind it for
-            # two steps' budget of the flood's service (0.5-1 s at --max-num-seqs 2). At an
-            # empty scheduler there is no credit (nobody to displace).
+            # (VTC), less a credit against tenants with requests *waiting* (a backlog it may
+            # displace at once): at most ``return_credit`` and at most what that tenant was
+            # served in its current busy period. None against a tenant with nothing waiting,
+            # nor at an empty scheduler: there the credit would only put that tenant's next
+            # arrivals behind the returning one's backlog (a flood returning while a light
+            # tenant ran one request made the light tenant wait for up to two steps' budget
+            # of flood service: 0.5-1 s at --max-num-seqs 2, the real server's tail).
             counters = self.counters
-            levels = [counters.get(a, 0.0) - min(self.return_credit,
-                                                 counters.get(a, 0.0) - s.busy_from)
+            waiting = self._queue.waiting_tenants() if self._queue is not None else {}
+            levels = [counters.get(a, 0.0) - (min(self.return_credit,
+                                                  counters.get(a, 0.0) - s.busy_from)
+                                              if a in waiting else 0.0)
                       for a, s in self.stats.items() if s.num_unfinished and a != t]
             floor = min(levels) if levels else self._idle_level
             counters[t] = max(counters.get(t, 0.0), floor)
