@@ -159,3 +159,12 @@ def test_greedy_outputs_identical_with_the_gate_in_a_lock_step_batch(tiny_llama_
         add_requests(core, prompts, 48)
         assert run_all(core) == expected
         assert core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_scheduler_reports_waiting_requests_to_the_gate(tiny_llama_dir):
+    """With requests waiting for a slot the gate steps aside: the scheduler must say so."""
+    core = make_engine(tiny_llama_dir, spec_json("ngram", 4, batch_gate=True), max_num_seqs=2)
+    add_requests(core, copy_prompts(5, 1), 8)
+    so = core.scheduler.schedule()
+    assert len(so.num_scheduled_tokens) == 2
+    assert so.num_waiting_reqs == 3

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmtower.spec_decode.suffix_tree import SuffixNode, SuffixTree
+from llmtower.spec_decode.suffix_tree import SuffixNode, SuffixTree, gc_paused
 
 
 @dataclass
@@ -81,8 +81,9 @@ class SuffixProposer:
             tree = st.tree
             assert tree is not None
             active = st.active
-            for t in st.tokens[st.indexed:]:
-                active = tree.append(active, t)
+            with gc_paused():
+                for t in st.tokens[st.indexed:]:
+                    active = tree.append(active, t)
             st.active = active
             st.indexed = len(st.tokens)
         return st
@@ -121,7 +122,8 @@ class SuffixProposer:
         output = st.tokens[st.num_prompt:][:self.max_cached_tokens]
         if not output:
             return
-        self.global_tree.insert(output)
+        with gc_paused():
+            self.global_tree.insert(output)
         self._cached[next(self._seq)] = output
         self._cached_tokens += len(output)
         while (len(self._cached) > self.max_cached_requests
