@@ -42,15 +42,15 @@ def test_suffix_tree_counts_and_removal_frees_every_node():
     t = SuffixTree(4)
     seq = [1, 2, 3, 1, 2, 4]
     t.insert(seq)
-    assert t.find([1, 2]).count == 2
-    assert set(t.find([1, 2]).children) == {3, 4}
-    assert t.find([2, 3, 1, 2]).count == 1
+    assert t.count(t.find([1, 2])) == 2
+    assert set(t.children(t.find([1, 2]))) == {3, 4}
+    assert t.count(t.find([2, 3, 1, 2])) == 1
     assert t.find([1, 2, 3, 1, 2]) is None  # deeper than max_depth
     t.insert([1, 2, 3])
     t.remove(seq)
-    assert t.find([1, 2]).count == 1 and set(t.find([1, 2]).children) == {3}
+    assert t.count(t.find([1, 2])) == 1 and set(t.children(t.find([1, 2]))) == {3}
     t.remove([1, 2, 3])
-    assert t.num_nodes == 1 and not t.root.children
+    assert t.num_nodes == 1 and not t.children(t.root) and not t._edges
 
 
 def test_suffix_proposer_drafts_from_the_requests_own_tokens():

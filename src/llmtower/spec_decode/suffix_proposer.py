@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmtower.spec_decode.suffix_tree import SuffixNode, SuffixTree, gc_paused
+from llmtower.spec_decode.suffix_tree import SuffixTree
 
 
 @dataclass
@@ -32,7 +32,7 @@ class _Request:
     num_prompt: int
     tokens: list[int] = field(default_factory=list)
     tree: SuffixTree | None = None
-    active: list[SuffixNode] = field(default_factory=list)
+    active: list[int] = field(default_factory=list)  # nodes of its suffixes, longest first
     indexed: int = 0  # tokens[:indexed] are in the tree
 
 
@@ -81,9 +81,8 @@ class SuffixProposer:
             tree = st.tree
             assert tree is not None
             active = st.active
-            with gc_paused():
-                for t in st.tokens[st.indexed:]:
-                    active = tree.append(active, t)
+            for t in st.tokens[st.indexed:]:
+                active = tree.append(active, t)
             st.active = active
             st.indexed = len(st.tokens)
         return st
@@ -95,13 +94,14 @@ class SuffixProposer:
         # Leave the trie room below the match for a k-token draft (its depth is bounded).
         max_len = min(max(1, self.max_depth - k), self.max_depth - 1)
         for tree in (st.tree, self.global_tree):
-            if tree is None or not tree.root.children:
+            if tree is None or not tree.has_children(tree.root):
                 continue
             if tree is st.tree:
                 # The request's active nodes are its suffixes in its own tree, longest first:
                 # the first one with a continuation is the longest match, with no walk.
-                node = next((a for a in st.active if a.depth <= max_len and a.children), None)
-                m = node.depth if node is not None else 0
+                node = next((a for a in st.active
+                             if tree.depth(a) <= max_len and tree.has_children(a)), None)
+                m = tree.depth(node) if node is not None else 0
             else:
                 node, m = tree.longest_continued_match(ctx, max_len)
             if node is None:
@@ -122,8 +122,7 @@ class SuffixProposer:
         output = st.tokens[st.num_prompt:][:self.max_cached_tokens]
         if not output:
             return
-        with gc_paused():
-            self.global_tree.insert(output)
+        self.global_tree.insert(output)
         self._cached[next(self._seq)] = output
         self._cached_tokens += len(output)
         while (len(self._cached) > self.max_cached_requests
