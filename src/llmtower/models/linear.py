@@ -14,6 +14,11 @@ changes the layout only: from two rows up the results are bit for bit those of t
 weight. At one row the plain float32 weight takes a GEMV with another summation order; the
 packed one computes that row as it would inside any batch (a row's result does not depend on
 how many rows run beside it).
+
+bfloat16 matrices also keep a copy for our few-row kernel (``PackedWeight``, where the CPU has
+AVX512_BF16): decode steps of up to ``GEMV_MAX_ROWS`` rows read that one at the memory's read
+rate; it sums in oneDNN's order, and its results differ from oneDNN's in ~1 value in 40,000 by
+the last bfloat16 bit.
 """
 from __future__ import annotations
 
@@ -44,9 +49,10 @@ class PackedWeight:
 
 
 # Products of at most this many rows by a PackedWeight take the few-row kernel. It reads each
-# matrix once for up to 4 rows (8: twice, from cache) and was 1.3x faster than oneDNN's
-# bfloat16 GEMM at 1-8 rows over SmolLM2's matrices (AVX512_BF16, 2 threads); oneDNN wins as
-# rows grow. 0 turns the kernel off (benchmarks compare the two in one process).
+# matrix once for up to 4 rows (8: twice, from cache); over SmolLM2's matrices (AVX512_BF16, 2
+# threads) it was 1.05-1.15x faster than oneDNN's bfloat16 GEMM at one row and ~1.3x at 2-8 in
+# isolation, and a whole decode step 1.16-1.30x (docs/performance.md). 0 turns the kernel off
+# (benchmarks/gemv_bf16.py compares the two in one process).
 GEMV_MAX_ROWS = 8
 
 
