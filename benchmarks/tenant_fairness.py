@@ -17,7 +17,8 @@ Without --model it builds the tests' tiny random-weight Llama (tests/fixtures). 
      heavy at 20C/11 + light at 2C/11 req/s (Poisson) for --duration s, then the backlog
      drains (every request is measured, none is cut);
   4. the simulator (device cpu, model smollm2-135m) with the same request shape, tenant mix
-     and relative load (2x its own saturated throughput).
+     and relative load (2x its own saturated throughput), --sim-requests requests (1/11 of
+     them light: 200 at the default).
 
 The p99s pool the light requests of all rounds (their number is printed: about
 2C/11 x duration x repeats, 200+ at the defaults); the ratio is also given per round (that
@@ -216,7 +217,7 @@ def serve(model: str, policy: str, max_num_seqs: int, log: Path):
                           "--max-num-seqs", str(max_num_seqs), "--policy", policy], log).start()
 
 
-def simulate(duration: float, max_num_seqs: int) -> dict:
+def simulate(num_requests: int, max_num_seqs: int) -> dict:
     """The same shape in the simulator: saturated throughput first, then 2x of it for the same
     duration as the real run."""
     cmd = [sys.executable, "-m", "llmtower.cli.main", "simulate", "run", "--device", "cpu",
@@ -234,7 +235,9 @@ def simulate(duration: float, max_num_seqs: int) -> dict:
     cap = sat["results"][0]["summary"]["request_throughput"] if "results" in sat else \
         sat["summary"]["request_throughput"]
     rows = {}
-    num_requests = max(22, round(2 * cap * duration))
+    # A fixed number of requests, not the real run's duration: the simulated model
+    # (smollm2-135m on a CPU) completes ~1 req/s, so 20 s held 3-4 light requests, and their
+    # "p99" was the slowest of those.
     light_alone = run(["--num-requests", str(max(2, num_requests // 11)), "--rate",
                        f"{2 * cap / 11:.4f}", "--tenants", "light:1"], "alone")
     rows["unloaded"] = _sim_p99(light_alone, ["light"])
@@ -270,6 +273,10 @@ def main() -> None:
     ap.add_argument("--capacity-s", type=float, default=6.0)
     ap.add_argument("--max-num-seqs", type=int, default=2)
     ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument("--save-json", default=None,
+                    help="write every request's sample (per policy, phase, round) here")
+    ap.add_argument("--sim-requests", type=int, default=2200,
+                    help="requests in each simulated overload run (1/11 light)")
     args = ap.parse_args()
     model = args.model or tiny_model()
     logs = Path(tempfile.mkdtemp())
@@ -306,7 +313,11 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     print(f"load average after: {os.getloadavg()}")
-    sim = None if args.no_sim else simulate(args.duration, args.max_num_seqs)
+    if args.save_json:
+        Path(args.save_json).write_text(json.dumps(
+            {f"{p}/{ph}": [[vars(x) for x in r] for r in rounds]
+             for (p, ph), rounds in samples.items()}))
+    sim = None if args.no_sim else simulate(args.sim_requests, args.max_num_seqs)
     report(samples, sim, kept_up)
 
 
