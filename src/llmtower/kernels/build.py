@@ -3,9 +3,10 @@
 The kernels are plain C files next to this one (no PyTorch headers, so a build takes well
 under a second). Each is compiled with the system C compiler (``$CC``, else ``cc``) for this
 very CPU (``-march=native``) into ``$XDG_CACHE_HOME/llmtower/kernels/<name>-<key>.so``, where
-the key hashes the source, the flags, the compiler and the CPU's feature flags; then loaded with
-``ctypes``. Where there is no compiler or the build fails, ``load`` raises ``KernelUnavailable``
-with the compiler's message, and callers fall back to PyTorch.
+the key hashes the source, the headers beside it (``bf16.h``), the flags, the compiler and
+the CPU's feature flags; then loaded with ``ctypes``. Where there is no compiler or the build
+fails, ``load`` raises ``KernelUnavailable`` with the compiler's message, and callers fall back
+to PyTorch.
 """
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def load(name: str) -> ctypes.CDLL:
                                  timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
+    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # what the sources include
     key = hashlib.sha256("\0".join(
-        [src.read_text(), " ".join(NATIVE + FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        [src.read_text(), *headers, " ".join(NATIVE + FLAGS), version, _cpu_flags()]
+    ).encode()).hexdigest()[:16]
     cache = cache_root() / "kernels"
     lib = cache / f"{name}-{key}.so"
     if not lib.exists():
