@@ -108,8 +108,8 @@ def test_one_stream_and_waiting_requests_are_not_gated():
 def test_a_new_request_opens_a_probe_and_finished_ones_are_forgotten():
     gate = BatchDraftGate()
     reqs = [f"r{i}" for i in range(8)]
-    hist = _run(gate, lambda _r: (2, 0), 20, reqs)
-    assert not hist[-1]
+    hist = _run(gate, lambda _r: (2, 0), MIN_OBSERVED + 1 + MIN_WAIT // 2, reqs)
+    assert not hist[-1]  # closed, halfway through its wait
     gate.remove("r0")
     reqs = reqs[1:] + ["new"]
     assert gate.step(reqs, FIXED_ROWS, HOST_ROWS)  # "new" has not been judged: a probe

@@ -24,8 +24,8 @@ a window of a few steps of a request whose proposer finds no match would judge o
 When the rule fails the gate closes: the proposers skip their lookups and nobody drafts but
 *soloists*: requests that accept at least ``SOLO_RATIO`` tokens per rejected row and one token
 per step (a copy-heavy request in a batch of others). Their drafts do not shorten the batch,
-but they cost it little and finish that request several times sooner. After a wait of 8, 16,
-... 128 steps (doubling while probes fail) the gate opens for a probe of at least
+but they cost it little and finish that request several times sooner. After a wait of 16, 32,
+64, 128 steps (doubling while probes fail) the gate opens for a probe of at least
 ``MIN_OBSERVED`` steps, so a batch that starts copying later gets its drafts back; a request
 joining the batch opens a probe at once. Requests that must draft from their own history alone (seeded sampled requests,
 ``independent``) and steps with requests waiting for a slot (an early finish admits the next
@@ -37,7 +37,10 @@ from dataclasses import dataclass
 
 DECAY = 0.7  # per step: the averages span the last ~3-4 steps
 MIN_OBSERVED = 3  # steps a request is observed (since the gate opened) before it is judged
-MIN_WAIT, MAX_WAIT = 8, 128
+# 16, not 8: each probe drafts for MIN_OBSERVED steps of pure cost in a batch with nothing to
+# copy; fresh batch 8 went from 0.95-0.96x to 0.99-1.00x of no speculation, copy batch 8 from
+# 1.23-1.32x to 1.21-1.25x (benchmarks/spec_decode.py, quiet machine, alternated twice).
+MIN_WAIT, MAX_WAIT = 16, 128
 SOLO_RATIO, SOLO_MIN_ACCEPTED = 2.0, 1.0  # a soloist's accepted per rejected row, and per step
 
 
