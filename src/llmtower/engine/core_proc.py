@@ -49,6 +49,10 @@ PARENT_POLL_MS = 1000
 HEARTBEAT_S = 1.0
 # An engine that has no work but takes part in a data-parallel wave polls its input this often.
 DP_IDLE_POLL_S = 0.002
+# How long the queue must stay empty before the drained snapshot goes out. Clients that send
+# their next request right after the last one finished leave gaps of a few milliseconds; a
+# snapshot in each gap would show the gauges at 0 most of the time on a busy server.
+IDLE_SNAPSHOT_DELAY_S = 0.25
 _STOP = object()  # tells the output thread to flush and exit
 _DEFERRED = object()  # a utility answered later (a coordinated operation waiting for its step)
 
@@ -236,12 +240,17 @@ class EngineCoreProc:
         q = self.input_queue
         idle_in_wave = self.dp is not None and self.dp.idle_in_wave
         if not self.engine_core.has_unfinished_requests() and q.empty() and not idle_in_wave:
-            # Going idle: one last snapshot so the client sees the drained state (KV usage 0).
+            # Going idle: one last snapshot so the client sees the drained state (KV usage 0),
+            # unless the next request comes at once.
+            item = None
             if self._stats_dirty:
-                self.output_queue.put((OutputTag.OUTPUTS, EngineCoreOutputs(
-                    scheduler_stats=self._take_stats(time.monotonic()),
-                    timestamp=time.monotonic())))
-            self._handle(*q.get())
+                try:
+                    item = q.get(timeout=IDLE_SNAPSHOT_DELAY_S)
+                except queue.Empty:
+                    self.output_queue.put((OutputTag.OUTPUTS, EngineCoreOutputs(
+                        scheduler_stats=self._take_stats(time.monotonic()),
+                        timestamp=time.monotonic())))
+            self._handle(*(item if item is not None else q.get()))
         while not q.empty() and not self._shutdown:
             self._handle(*q.get_nowait())
 
