@@ -145,10 +145,11 @@ def test_health_answers_while_huge_prompts_arrive(tiny_server):
         err = _error(r, 400)
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
     assert results[2].status_code == 200 and results[2].json()["count"] > 1000
-    # Every probe within 100 ms of what an idle server takes on this machine (one outlier
-    # allowed); before the fix a probe waited seconds behind the tokenizer.
+    # Every probe within 0.5 s of what an idle server takes on this machine (one outlier
+    # allowed); before the fix a probe waited seconds behind the tokenizer. The margin is wide
+    # because a loaded CI machine can deschedule the server for a few hundred milliseconds.
     worst = sorted(latencies)[-2 if len(latencies) > 1 else -1]
-    assert worst < 0.1 + baseline, (sorted(latencies)[-5:], baseline)
+    assert worst < 0.5 + baseline, (sorted(latencies)[-5:], baseline)
 
 
 # ------------------------------------------------------------------ item 5: chat templates
