@@ -213,6 +213,49 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
 }
 
+/* exp_nonpos on 16 lanes (the same polynomial and reduction; 2^n by vscalefps). GCC leaves
+ * exp_nonpos's loop scalar (floorf and the int conversion), which cost ~20% of a decode. */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* In place: s[p] = exp(s[p] - max) for p < len, 0 for len <= p < ctx; returns the sum. */
+static inline float softmax_numerators(float *s, int64_t len, int64_t ctx) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 16 <= len; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+    const __mmask16 tail = (__mmask16)((1u << (len - p)) - 1);
+    m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + p));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (p = 0; p + 16 <= len; p += 16) {
+        const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + p), mx));
+        _mm512_storeu_ps(s + p, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (p < len) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            tail, exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + p), mx)));
+        _mm512_mask_storeu_ps(s + p, tail, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (p = len; p < ctx; p++) s[p] = 0.f;
+    return _mm512_reduce_add_ps(sum);
+}
+
 /* Scratch of one thread, for a group of G query heads and contexts up to max_context. */
 typedef struct {
     float *scores;    /* [G][stride]: stride = max_context rounded up to 16 */
@@ -231,11 +274,13 @@ static inline __attribute__((always_inline)) void weigh_values(
     const float *s[4];
     for (int i = 0; i < 4; i++) s[i] = w->scores + (g0 + (i < NH ? i : 0)) * w->stride;
     for (int64_t c0 = 0; c0 < D; c0 += CW * 16) {
-        __m512 a[NH][CW];
+        /* fixed sizes: arrays sized by NH / CW would be variable-length arrays, which GCC
+         * keeps on the stack (a load and a store around every FMA); these stay in registers */
+        __m512 a[4][4];
         for (int i = 0; i < NH; i++)
             for (int c = 0; c < CW; c++) a[i][c] = _mm512_setzero_ps();
         for (int64_t p = 0; p < ctx; p++) {
-            __m512 v[CW];
+            __m512 v[4];
             for (int c = 0; c < CW; c++) v[c] = ld16(V, w->rows[p] + c0 + c * 16, BF16);
             for (int i = 0; i < NH; i++) {
                 const __m512 e = _mm512_set1_ps(s[i][p]);
@@ -284,7 +329,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
                     __builtin_prefetch((const char *)V + at + b);
                 }
             }
-            __m512 k[D / 16];
+            __m512 k[16]; /* D <= 256; a fixed size keeps it out of the stack (no VLA) */
             for (int64_t c = 0; c < D / 16; c++) k[c] = ld16(K, w->rows[p0 + t] + c * 16, BF16);
             for (int64_t x = 0; x < Q; x++) {
                 const float *qx = w->q + x * D;
@@ -299,16 +344,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
     /* softmax numerators in place; each head's sum divides its output at the end. A row's
      * keys past its own position (later rows of its request) get weight 0. */
     for (int64_t x = 0; x < Q; x++) {
-        const int64_t len = ctx - nq + x / G + 1;
-        float *sx = w->scores + x * st, m = sx[0], sum = 0.f;
-        for (int64_t p = 1; p < len; p++) m = sx[p] > m ? sx[p] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < len; p++) {
-            sx[p] = exp_nonpos(sx[p] - m);
-            sum += sx[p];
-        }
-        for (int64_t p = len; p < ctx; p++) sx[p] = 0.f;
-        w->sums[x] = sum;
+        w->sums[x] = softmax_numerators(w->scores + x * st, ctx - nq + x / G + 1, ctx);
     }
     /* acc[x] = sum_p exp_score[x][p] * v_p: each value row read once per four heads */
     for (int64_t g0 = 0; g0 < Q; g0 += 4) {
@@ -396,7 +432,7 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
         if (context_lens[r] > j.max_context) j.max_context = context_lens[r];
     }
 #ifdef PAGED_GQA
-    if (head_dim % 16 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+    if (head_dim % 16 == 0 && head_dim <= 256 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
         num_heads > num_kv_heads) /* without grouping, attend's contiguous slot rows win */
         return paged_decode_grouped(&j, 1, dtype, num_threads) ? -1 : 0;
 #endif
@@ -583,7 +619,7 @@ int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const 
         if (nq * G > max_q) max_q = nq * G;
     }
 #ifdef PAGED_GQA
-    if (head_dim % 16 == 0) { /* the grouped one-query path, several rows per request */
+    if (head_dim % 16 == 0 && head_dim <= 256) { /* the grouped path, several rows per request */
         Job g = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride,
                  bt_stride, num_heads, num_kv_heads, head_dim, block_size, 1, scale, query_start};
         int64_t max_rows = 1;
