@@ -256,10 +256,36 @@ static inline float softmax_numerators(float *s, int64_t len, int64_t ctx) {
     return _mm512_reduce_add_ps(sum);
 }
 
+/* The next work unit of this thread, fetched into L2 while the current one computes. A unit's
+ * own prefetch (GQA_AHEAD keys ahead) starts it on a cold cache and leaves the memory idle
+ * while its scores are reduced, its softmax taken and its values weighed (the values are in L1
+ * by then); claiming the next unit first and spreading its K and V rows over the current
+ * unit's two passes keeps the memory busy throughout. */
+typedef struct {
+    const char *k, *v;
+    const int64_t *rows; /* the next unit's element offsets of its rows; NULL: none */
+    int64_t keys, done;  /* its keys, and how many were asked for so far */
+    int64_t per_step;    /* keys per step of the current unit (2 steps per key of it) */
+    int64_t row_bytes;
+} Ahead;
+
+static inline __attribute__((always_inline)) void ahead_step(Ahead *a, const int BF16) {
+    if (!a->rows) return;
+    const int64_t stop = a->done + a->per_step < a->keys ? a->done + a->per_step : a->keys;
+    for (; a->done < stop; a->done++) {
+        const int64_t at = a->rows[a->done] * (BF16 ? 2 : 4);
+        for (int64_t b = 0; b < a->row_bytes; b += 64) {
+            _mm_prefetch(a->k + at + b, _MM_HINT_T1);
+            _mm_prefetch(a->v + at + b, _MM_HINT_T1);
+        }
+    }
+}
+
 /* Scratch of one thread, for a group of G query heads and contexts up to max_context. */
 typedef struct {
     float *scores;    /* [G][stride]: stride = max_context rounded up to 16 */
     int64_t *rows;    /* [max_context]: element offset of each key's row of this KV head */
+    int64_t *next_rows; /* [max_context]: the same for the thread's next unit */
     float *q, *part;  /* [G][D] widened scaled queries; [G][16][16] one tile's partials */
     float *sums;      /* [G] */
     int64_t stride;
@@ -270,7 +296,7 @@ typedef struct {
  * the FMA latency */
 static inline __attribute__((always_inline)) void weigh_values(
         const void *V, const GroupScratch *w, int64_t ctx, int64_t g0, float *out_acc,
-        const int64_t D, const int BF16, const int NH, const int CW) {
+        Ahead *ahead, const int64_t D, const int BF16, const int NH, const int CW) {
     const float *s[4];
     for (int i = 0; i < 4; i++) s[i] = w->scores + (g0 + (i < NH ? i : 0)) * w->stride;
     for (int64_t c0 = 0; c0 < D; c0 += CW * 16) {
@@ -280,6 +306,7 @@ static inline __attribute__((always_inline)) void weigh_values(
         for (int i = 0; i < NH; i++)
             for (int c = 0; c < CW; c++) a[i][c] = _mm512_setzero_ps();
         for (int64_t p = 0; p < ctx; p++) {
+            ahead_step(ahead, BF16);
             __m512 v[4];
             for (int c = 0; c < CW; c++) v[c] = ld16(V, w->rows[p] + c0 + c * 16, BF16);
             for (int i = 0; i < NH; i++) {
@@ -292,21 +319,34 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
+/* rows[p]: the element offset of key p's row of KV head g of request r */
+static void unit_rows(const Job *j, int64_t r, int64_t g, int64_t *rows) {
+    const int64_t bs = j->block_size, ctx = j->context_lens[r];
+    const int64_t row = j->num_kv_heads * j->head_dim;
+    const int64_t *table = j->block_tables + r * j->bt_stride;
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
+        const int64_t base = table[p0 / bs] * bs * row + g * j->head_dim;
+        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) rows[p0 + t] = base + t * row;
+    }
+}
+
+/* one unit; w->rows already holds its rows (unit_rows) */
 static inline __attribute__((always_inline)) void attend_group(const Job *j, int64_t r, int64_t g,
                                                                const GroupScratch *w, float *acc,
-                                                               const int64_t D, const int BF16) {
-    const int64_t H = j->num_heads, G = H / j->num_kv_heads, bs = j->block_size;
-    const int64_t ctx = j->context_lens[r], row = j->num_kv_heads * D, st = w->stride;
-    const int64_t *table = j->block_tables + r * j->bt_stride;
+                                                               Ahead *ahead, const int64_t D,
+                                                               const int BF16) {
+    const int64_t H = j->num_heads, G = H / j->num_kv_heads;
+    const int64_t ctx = j->context_lens[r], st = w->stride;
     /* query vector x = i * G + jj: row i of the request (at position ctx - nq + i, so it sees
      * keys 0 .. ctx - nq + i), query head g * G + jj */
     const int64_t q0 = j->query_start ? j->query_start[r] : r;
     const int64_t nq = j->query_start ? j->query_start[r + 1] - q0 : 1, Q = nq * G;
     const void *restrict K = j->k, *restrict V = j->v;
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
-        const int64_t base = table[p0 / bs] * bs * row + g * D;
-        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t++) w->rows[p0 + t] = base + t * row;
+    /* the next unit's keys over this unit's 2 * ctx steps (the rest by its own prefetch) */
+    if (ahead->rows) {
+        const int64_t per = (ahead->keys + 2 * ctx - 1) / (2 * ctx);
+        ahead->per_step = per < 4 ? per : 4;
     }
     for (int64_t i = 0; i < nq; i++)
         for (int64_t e = 0; e < G * D; e++)
@@ -329,6 +369,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
                     __builtin_prefetch((const char *)V + at + b);
                 }
             }
+            ahead_step(ahead, BF16);
             __m512 k[16]; /* D <= 256; a fixed size keeps it out of the stack (no VLA) */
             for (int64_t c = 0; c < D / 16; c++) k[c] = ld16(K, w->rows[p0 + t] + c * 16, BF16);
             for (int64_t x = 0; x < Q; x++) {
@@ -351,17 +392,17 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
         const int nh = Q - g0 < 4 ? (int)(Q - g0) : 4;
         if (D % 64 == 0) { /* 4 slices of 16 dims per pass */
             switch (nh) {
-                case 1: weigh_values(V, w, ctx, g0, acc, D, BF16, 1, 4); break;
-                case 2: weigh_values(V, w, ctx, g0, acc, D, BF16, 2, 4); break;
-                case 3: weigh_values(V, w, ctx, g0, acc, D, BF16, 3, 4); break;
-                default: weigh_values(V, w, ctx, g0, acc, D, BF16, 4, 4);
+                case 1: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 1, 4); break;
+                case 2: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 2, 4); break;
+                case 3: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 3, 4); break;
+                default: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 4, 4);
             }
         } else {
             switch (nh) {
-                case 1: weigh_values(V, w, ctx, g0, acc, D, BF16, 1, 1); break;
-                case 2: weigh_values(V, w, ctx, g0, acc, D, BF16, 2, 1); break;
-                case 3: weigh_values(V, w, ctx, g0, acc, D, BF16, 3, 1); break;
-                default: weigh_values(V, w, ctx, g0, acc, D, BF16, 4, 1);
+                case 1: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 1, 1); break;
+                case 2: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 2, 1); break;
+                case 3: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 3, 1); break;
+                default: weigh_values(V, w, ctx, g0, acc, ahead, D, BF16, 4, 1);
             }
         }
     }
@@ -377,15 +418,15 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
 }
 
 static void attend_group_one(const Job *j, int64_t r, int64_t g, const GroupScratch *w,
-                             float *acc, int bf16) {
+                             float *acc, Ahead *ahead, int bf16) {
     switch (j->head_dim * 2 + bf16) {
-        case 64 * 2: attend_group(j, r, g, w, acc, 64, 0); break;
-        case 64 * 2 + 1: attend_group(j, r, g, w, acc, 64, 1); break;
-        case 128 * 2: attend_group(j, r, g, w, acc, 128, 0); break;
-        case 128 * 2 + 1: attend_group(j, r, g, w, acc, 128, 1); break;
+        case 64 * 2: attend_group(j, r, g, w, acc, ahead, 64, 0); break;
+        case 64 * 2 + 1: attend_group(j, r, g, w, acc, ahead, 64, 1); break;
+        case 128 * 2: attend_group(j, r, g, w, acc, ahead, 128, 0); break;
+        case 128 * 2 + 1: attend_group(j, r, g, w, acc, ahead, 128, 1); break;
         default: /* a multiple of 16 up to 256 (checked by the caller) */
-            if (bf16) attend_group(j, r, g, w, acc, j->head_dim, 1);
-            else attend_group(j, r, g, w, acc, j->head_dim, 0);
+            if (bf16) attend_group(j, r, g, w, acc, ahead, j->head_dim, 1);
+            else attend_group(j, r, g, w, acc, ahead, j->head_dim, 0);
     }
 }
 
@@ -395,21 +436,39 @@ static int paged_decode_grouped(const Job *j, int64_t max_rows, int dtype, int n
     const int64_t Q = j->num_heads / j->num_kv_heads * max_rows, D = j->head_dim;
     const int64_t units = j->num_reqs * j->num_kv_heads, stride = (j->max_context + 15) / 16 * 16;
     int failed = 0;
+    int64_t claimed = 0; /* units handed out so far (shared: dynamic scheduling, one at a time) */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
     {
         GroupScratch w = {malloc(sizeof(float) * (size_t)(Q * stride)),
+                          malloc(sizeof(int64_t) * (size_t)stride),
                           malloc(sizeof(int64_t) * (size_t)stride),
                           malloc(sizeof(float) * (size_t)(Q * D)),
                           aligned_alloc(64, sizeof(float) * (size_t)(Q * 256)),
                           malloc(sizeof(float) * (size_t)Q), stride};
         float *acc = malloc(sizeof(float) * (size_t)(Q * D));
-        failed = !w.scores || !w.rows || !w.q || !w.part || !w.sums || !acc;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++)
-            if (!failed) attend_group_one(j, u / j->num_kv_heads, u % j->num_kv_heads, &w, acc,
-                                          dtype == 1);
+        failed = !w.scores || !w.rows || !w.next_rows || !w.q || !w.part || !w.sums || !acc;
+        /* dynamic scheduling by hand: each thread claims its next unit before it starts the
+         * current one, so that it can fetch the next one's K and V meanwhile (Ahead) */
+        const int64_t hkv = j->num_kv_heads, esz = dtype == 1 ? 2 : 4;
+        int64_t u = failed ? units : __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        if (u < units) unit_rows(j, u / hkv, u % hkv, w.rows);
+        while (u < units) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            Ahead ahead = {j->k, j->v, NULL, 0, 0, 0, D * esz};
+            if (next < units) {
+                unit_rows(j, next / hkv, next % hkv, w.next_rows);
+                ahead.rows = w.next_rows;
+                ahead.keys = j->context_lens[next / hkv];
+            }
+            attend_group_one(j, u / hkv, u % hkv, &w, acc, &ahead, dtype == 1);
+            int64_t *t = w.rows;
+            w.rows = w.next_rows;
+            w.next_rows = t;
+            u = next;
+        }
         free(w.scores);
         free(w.rows);
+        free(w.next_rows);
         free(w.q);
         free(w.part);
         free(w.sums);
