@@ -25,8 +25,10 @@ def test_packed_weight_gives_the_plain_weights_results(dtype, rows):
     onednn = pw.onednn if isinstance(pw, L.PackedWeight) else pw
     assert onednn.is_mkldnn and tuple(pw.shape) == (160, 96)
     # One float32 row: the plain weight takes a GEMV (another summation order); few bfloat16
-    # rows: the few-row kernel (tests/kernels/test_gemv_bf16.py).
-    few_row_kernel = isinstance(pw, L.PackedWeight) and rows <= L.GEMV_MAX_ROWS
+    # rows: the few-row kernel (tests/kernels/test_gemv_bf16.py); float32 decode-step rows:
+    # gemm_f32 (tests/models/test_linear_f32.py).
+    few_row_kernel = isinstance(pw, L.PackedWeight) and rows <= (
+        L.F32_KERNEL_MAX_ROWS if pw.f32 else L.GEMV_MAX_ROWS)
     if rows > 1 and not few_row_kernel:
         assert torch.equal(L.linear(x, pw, bias), L.linear(x, w, bias))
         assert torch.equal(L.silu_mul(x, pw, pup), L.silu_mul(x, w, up))

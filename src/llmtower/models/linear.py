@@ -27,21 +27,24 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels.gemm_f32 import GemmF32Weight, gemm_f32_error
 from llmtower.kernels.gemv_bf16 import GemvWeight, gemv_bf16_error
 
 Linear = Callable[..., torch.Tensor]
 
 
 class PackedWeight:
-    """Owns one bfloat16 weight matrix in the two layouts its products read: oneDNN's packed
-    one (any row count) and the few-row kernel's (``kernels/gemv_bf16.py``: decode steps).
+    """Owns one weight matrix in the two layouts its products read: oneDNN's packed one (any
+    row count) and a decode-step kernel's: bfloat16 ``kernels/gemv_bf16.py`` (few rows),
+    float32 ``kernels/gemm_f32.py`` (``f32``: up to ``F32_KERNEL_MAX_ROWS`` rows).
     For the MLP's gate, ``gemv`` holds gate and up together (``silu_mul`` reads both at once)."""
 
-    __slots__ = ("onednn", "gemv")
+    __slots__ = ("onednn", "gemv", "f32")
 
-    def __init__(self, onednn: torch.Tensor, gemv: GemvWeight) -> None:
+    def __init__(self, onednn: torch.Tensor, gemv: GemvWeight | GemmF32Weight) -> None:
         self.onednn = onednn
         self.gemv = gemv
+        self.f32 = isinstance(gemv, GemmF32Weight)
 
     @property
     def shape(self) -> torch.Size:
@@ -54,6 +57,11 @@ class PackedWeight:
 # isolation, and a whole decode step 1.16-1.30x (docs/performance.md). 0 turns the kernel off
 # (benchmarks/gemv_bf16.py compares the two in one process).
 GEMV_MAX_ROWS = 8
+# Products of at most this many rows by a float32 PackedWeight take kernels/gemm_f32.c. Decode
+# steps (weights from memory): SmolLM2's matrices 1.3-1.45x oneDNN at 64 rows, 1.1-1.25x at
+# 128, ~1.05x at 256; from ~512 rows (prefill chunks, weights in cache) oneDNN is level or ahead
+# (docs/performance.md). 0 turns the kernel off.
+F32_KERNEL_MAX_ROWS = 256
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +92,7 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
     def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if type(weight) is PackedWeight:
-            if x.shape[0] <= GEMV_MAX_ROWS:
+            if x.shape[0] <= (F32_KERNEL_MAX_ROWS if weight.f32 else GEMV_MAX_ROWS):
                 return weight.gemv(x, bias)
             weight = weight.onednn
         return op(x, weight, bias, "none", [], "")
@@ -92,7 +100,8 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
     def silu_mul(x: torch.Tensor, gate: torch.Tensor | PackedWeight,
                  up: torch.Tensor | PackedWeight) -> torch.Tensor:
         if type(gate) is PackedWeight:
-            if x.shape[0] <= GEMV_MAX_ROWS and gate.gemv.silu_pair:  # from prepack_gate_up
+            if x.shape[0] <= (F32_KERNEL_MAX_ROWS if gate.f32 else GEMV_MAX_ROWS) \
+                    and gate.gemv.silu_pair:  # from prepack_gate_up
                 return gate.gemv.silu_mul(x)
             gate = gate.onednn
         if type(up) is PackedWeight:
@@ -130,14 +139,19 @@ def _onednn_pack(op) -> Callable[..., torch.Tensor]:
 
 
 def _with_gemv(pack: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor | PackedWeight]:
-    """``pack``, and for bfloat16 matrices also the few-row kernel's copy where it runs."""
-    if pack is _identity or gemv_bf16_error() is not None:
+    """``pack``, and also the decode-step kernel's copy where it runs: the few-row kernel's
+    for bfloat16 matrices, ``gemm_f32``'s for float32 ones."""
+    bf16_ok = gemv_bf16_error() is None
+    f32_ok = gemm_f32_error() is None
+    if pack is _identity or not (bf16_ok or f32_ok):
         return pack
 
     def pack_both(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-            return pack(weight)
-        return PackedWeight(pack(weight), GemvWeight(weight))
+        if weight.dim() == 2 and weight.dtype == torch.bfloat16 and bf16_ok:
+            return PackedWeight(pack(weight), GemvWeight(weight))
+        if weight.dim() == 2 and weight.dtype == torch.float32 and f32_ok:
+            return PackedWeight(pack(weight), GemmF32Weight(weight))
+        return pack(weight)
 
     return pack_both
 
@@ -162,6 +176,10 @@ def prepack_gate_up(gate: torch.Tensor, up: torch.Tensor
                     ) -> tuple[torch.Tensor | PackedWeight, torch.Tensor | PackedWeight]:
     """The MLP's gate and up matrices packed for ``silu_mul``: where the few-row kernel runs,
     the gate's ``PackedWeight`` also holds both matrices interleaved for it."""
-    if prepack is _prepack_onednn or gate.dtype != torch.bfloat16:
+    if prepack is _prepack_onednn or gate.dim() != 2:
         return prepack(gate), prepack(up)
-    return PackedWeight(_prepack_onednn(gate), GemvWeight(gate, up)), _prepack_onednn(up)
+    if gate.dtype == torch.bfloat16 and gemv_bf16_error() is None:
+        return PackedWeight(_prepack_onednn(gate), GemvWeight(gate, up)), _prepack_onednn(up)
+    if gate.dtype == torch.float32 and gemm_f32_error() is None:
+        return PackedWeight(_prepack_onednn(gate), GemmF32Weight(gate, up)), _prepack_onednn(up)
+    return prepack(gate), prepack(up)
