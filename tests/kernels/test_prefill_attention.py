@@ -95,7 +95,7 @@ def _layer(dtype, backend="auto", heads=9, kv_heads=3, head_dim=64):
 
 
 def test_layer_uses_kernel_only_for_bfloat16_with_c_backend():
-    """float32 stays on SDPA (token-exact against transformers), as does the torch backend."""
+    """float32 takes its own kernel (test_prefill_attention_f32.py); the torch backend SDPA."""
     assert not _layer(torch.float32).prefill_kernel
     assert not _layer(torch.bfloat16, "torch").prefill_kernel
     assert not _layer(torch.bfloat16, heads=4, kv_heads=4, head_dim=48).prefill_kernel

@@ -26,7 +26,8 @@ request of the same step fills. Then three kinds of work, planned once per step 
     is a copy of every block.
 - fresh prefills: chunks starting at position 0 attend only to themselves: causal attention on
   the new K/V, no gather: in bfloat16 the C kernel ``kernels/prefill_attention.c`` (AVX-512
-  BF16 dot products, C backend), else SDPA.
+  BF16 dot products, C backend), in float32 ``kernels/prefill_attention_f32.c`` (AVX-512, C
+  backend), else SDPA.
 - prefills with context (later chunks of a chunked prefill, prefix-cache hits, recompute): the
   request's blocks are gathered and SDPA runs with a causal mask offset by the context length.
 """
@@ -45,6 +46,8 @@ from llmtower.kernels.paged_attention import (check_query_start, check_tables, k
 from llmtower.kernels.paged_attention_int8 import paged_decode_kv
 from llmtower.kernels.prefill_attention import (prefill_attention, prefill_kernel_error,
                                                 prefill_shape_ok)
+from llmtower.kernels.prefill_attention_f32 import (prefill_attention_f32, prefill_f32_error,
+                                                    prefill_f32_shape_ok)
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +206,11 @@ class PagedAttention:
         self.prefill_kernel = (dtype == torch.bfloat16 and self.backend == "c"
                                and prefill_shape_ok(num_heads, num_kv_heads, head_dim)
                                and prefill_kernel_error() is None)
+        # float32: its sibling (prefill_attention_f32.c, AVX-512, float32 throughout; 2.3-4.4x
+        # SDPA on SmolLM2's chunks), C backend only.
+        self.prefill_f32 = (dtype == torch.float32 and self.backend == "c"
+                            and prefill_f32_shape_ok(num_heads, num_kv_heads, head_dim)
+                            and prefill_f32_error() is None)
         shape = (gather_buffer_blocks, block_size, num_kv_heads, head_dim)
         # Reused across layers and steps: fresh large allocations would page-fault every time.
         self.k_buf = torch.zeros(shape, dtype=dtype)
@@ -255,6 +263,11 @@ class PagedAttention:
                     prefill_attention(q[rows], k[rows], v[rows],
                                       out[rows].view(p.num_tokens, self.num_heads, d),
                                       self.scale, torch.get_num_threads())
+                    continue
+                if self.prefill_f32:  # writes its rows of out in place
+                    prefill_attention_f32(q[rows], k[rows], v[rows],
+                                          out[rows].view(p.num_tokens, self.num_heads, d),
+                                          self.scale, torch.get_num_threads())
                     continue
                 o = self._fresh_prefill(q[rows], k[rows], v[rows])
             else:
