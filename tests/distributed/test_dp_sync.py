@@ -17,7 +17,7 @@ from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineLostError
 from tests.engine.fake_engine_factory import make_slow_fake_engine
 
-GUARD_S = 60  # against hangs only
+GUARD_S = 120  # against hangs only
 
 
 def _run(tokenizer, body, **engine_kw):

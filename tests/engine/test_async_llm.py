@@ -15,7 +15,7 @@ from llmtower.engine.args import EngineArgs
 from llmtower.engine.async_llm import AsyncLLM, RequestTimeoutError
 from llmtower.engine.core_client import EngineDeadError
 
-GUARD_S = 30  # against hangs only
+GUARD_S = 120  # against hangs only: a loaded CI machine takes tens of seconds to spawn an engine
 
 
 def _run(tokenizer, body, factory=make_fake_engine, request_timeout_s=None, **engine_kw):

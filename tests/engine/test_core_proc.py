@@ -17,7 +17,7 @@ from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, Engin
 from llmtower.engine.core_messages import PingResult, RequestError
 
 # A guard against hangs only: every wait below ends as soon as its event happens.
-GUARD_S = 30
+GUARD_S = 120  # against hangs only: a loaded CI machine takes tens of seconds to spawn an engine
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int = 8) -> EngineCoreRequest:
