@@ -20,20 +20,7 @@
  * at 2 threads when a plain read of 269 MB took 7.7 ms; prefetching 4-12 KB ahead was 5-15%
  * slower).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include "bf16.h"
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_FAST 1
-#else
-#define HAVE_FAST 0
-#endif
-
-#define TILE 64 /* output columns per tile: 4 vectors of 16 float32 accumulators */
-#define MAX_CHUNK 4 /* rows computed together (4 x 4 accumulators + 4 weight vectors fit) */
-
+#include "gemv_bf16_tiles.h"
 
 int gemv_bf16_fast(void) { return HAVE_FAST; }
 
@@ -53,111 +40,15 @@ void gemv_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
                 }
 }
 
-/* The float32 sums of `rows` rows of x against tile t: acc[r * TILE + c]. */
-static void tile_portable(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *tile,
-                          int64_t k, float *acc) {
-    const int64_t pairs = (k + 1) / 2;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < TILE; c++) {
-            float s = 0.0f;
-            for (int64_t p = 0; p < pairs; p++) {
-                const uint16_t *wv = tile + (p * TILE + c) * 2;
-                float x0 = bf16_to_f32(x[r * x_stride + 2 * p]);
-                float x1 = 2 * p + 1 < k ? bf16_to_f32(x[r * x_stride + 2 * p + 1]) : 0.0f;
-                s += bf16_to_f32(wv[0]) * x0 + bf16_to_f32(wv[1]) * x1;
-            }
-            acc[r * TILE + c] = s;
-        }
-}
-
-#if HAVE_FAST
-/* One input pair of row r as a 32-bit broadcast; the odd K's last pair gets a zero partner. */
-static inline __m512bh pair_of(const uint16_t *xr, int64_t p, int64_t k) {
-    uint32_t v;
-    if (2 * p + 1 < k) memcpy(&v, xr + 2 * p, sizeof v);
-    else v = xr[2 * p];
-    return (__m512bh)_mm512_set1_epi32((int)v);
-}
-
-static inline __attribute__((always_inline)) void tile_fast(
-        const uint16_t *x, int64_t x_stride, const int ROWS, const uint16_t *tile, int64_t k,
-        float *acc) {
-    const int64_t pairs = (k + 1) / 2, full = k / 2;
-    __m512 a[MAX_CHUNK][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < 4; b++) a[r][b] = _mm512_setzero_ps();
-    const uint32_t *x32[MAX_CHUNK];
-    for (int r = 0; r < ROWS; r++) x32[r] = (const uint32_t *)(const void *)(x + r * x_stride);
-    int64_t p = 0;
-    for (; p < full; p++) {
-        const uint16_t *wp = tile + p * TILE * 2;
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
-        __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-        __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64);
-        __m512bh w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
-        for (int r = 0; r < ROWS; r++) {
-            uint32_t xv;
-            memcpy(&xv, x32[r] + p, sizeof xv);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xv);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, xb);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, xb);
-            a[r][2] = _mm512_dpbf16_ps(a[r][2], w2, xb);
-            a[r][3] = _mm512_dpbf16_ps(a[r][3], w3, xb);
-        }
-    }
-    for (; p < pairs; p++) { /* odd K: the last input has no partner */
-        const uint16_t *wp = tile + p * TILE * 2;
-        for (int r = 0; r < ROWS; r++) {
-            __m512bh xb = pair_of(x + r * x_stride, p, k);
-            for (int b = 0; b < 4; b++)
-                a[r][b] = _mm512_dpbf16_ps(a[r][b], (__m512bh)_mm512_loadu_si512(wp + 32 * b), xb);
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < 4; b++) _mm512_storeu_ps(acc + r * TILE + 16 * b, a[r][b]);
-}
-#endif
-
-static void tile_sums(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *tile,
-                      int64_t k, float *acc, int fast) {
-#if HAVE_FAST
-    if (fast) {
-        switch (rows) {
-        case 1: tile_fast(x, x_stride, 1, tile, k, acc); return;
-        case 2: tile_fast(x, x_stride, 2, tile, k, acc); return;
-        case 3: tile_fast(x, x_stride, 3, tile, k, acc); return;
-        default: tile_fast(x, x_stride, 4, tile, k, acc); return;
-        }
-    }
-#endif
-    (void)fast;
-    tile_portable(x, x_stride, rows, tile, k, acc);
-}
-
 /* path: 0 = the fast path where compiled in, 1 = the portable C path (tests compare them). */
 int gemv_bf16(const uint16_t *x, int64_t m, int64_t x_stride, const uint16_t *wp, int64_t n,
               int64_t k, const uint16_t *bias, uint16_t *out, int64_t out_stride,
               int num_threads, int path) {
     if (m < 0 || n <= 0 || k <= 0) return 1;
     const int fast = HAVE_FAST && path == 0;
-    const int64_t tiles = (n + TILE - 1) / TILE, tile_numel = ((k + 1) / 2) * TILE * 2;
-#pragma omp parallel for num_threads(num_threads) if (tiles > 1 && num_threads > 1) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float acc[MAX_CHUNK * TILE];
-        const int64_t c_end = n - t * TILE < TILE ? n - t * TILE : TILE;
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_CHUNK) {
-            int rows = (int)(m - m0 < MAX_CHUNK ? m - m0 : MAX_CHUNK);
-            tile_sums(x + m0 * x_stride, x_stride, rows, wp + t * tile_numel, k, acc, fast);
-            for (int r = 0; r < rows; r++) {
-                uint16_t *o = out + (m0 + r) * out_stride + t * TILE;
-                for (int64_t c = 0; c < c_end; c++) {
-                    float v = acc[r * TILE + c];
-                    if (bias) v += bf16_to_f32(bias[t * TILE + c]);
-                    o[c] = f32_to_bf16(v);
-                }
-            }
-        }
-    }
+    const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel num_threads(num_threads) if (tiles > 1 && num_threads > 1)
+    gemv_tiles(x, m, x_stride, wp, n, k, bias, out, out_stride, fast);
     return 0;
 }
 
@@ -168,26 +59,8 @@ int gemv_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t x_stride, const uin
                        int num_threads, int path) {
     if (m < 0 || ni <= 0 || k <= 0) return 1;
     const int fast = HAVE_FAST && path == 0;
-    const int64_t half = TILE / 2, tiles = (ni + half - 1) / half;
-    const int64_t tile_numel = ((k + 1) / 2) * TILE * 2;
-#pragma omp parallel for num_threads(num_threads) if (tiles > 1 && num_threads > 1) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float acc[MAX_CHUNK * TILE];
-        const int64_t c_end = ni - t * half < half ? ni - t * half : half;
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_CHUNK) {
-            int rows = (int)(m - m0 < MAX_CHUNK ? m - m0 : MAX_CHUNK);
-            tile_sums(x + m0 * x_stride, x_stride, rows, wp + t * tile_numel, k, acc, fast);
-            for (int r = 0; r < rows; r++) {
-                uint16_t *o = out + (m0 + r) * out_stride + t * half;
-                const float *g = acc + r * TILE, *u = g + half;
-#pragma omp simd
-                for (int64_t c = 0; c < c_end; c++) {
-                    /* as oneDNN's fused path: silu(gate) stored in bfloat16, times the up sum */
-                    float s = bf16_to_f32(f32_to_bf16(g[c] / (1.0f + expf(-g[c]))));
-                    o[c] = f32_to_bf16(s * u[c]);
-                }
-            }
-        }
-    }
+    const int64_t tiles = (ni + TILE / 2 - 1) / (TILE / 2);
+#pragma omp parallel num_threads(num_threads) if (tiles > 1 && num_threads > 1)
+    silu_mul_tiles(x, m, x_stride, wp, ni, k, out, out_stride, fast);
     return 0;
 }

@@ -19,8 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
+from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels import decode_layer_bf16
+from llmtower.kernels.decode_layer_bf16 import DecodeLayers, LayerParts, decode_layer_error
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
+from llmtower.models import linear as linear_mod
 from llmtower.models.linear import PackedWeight, linear, prepack, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
 from llmtower.models.rope import RotaryEmbedding
@@ -120,6 +124,29 @@ class LlamaForCausalLM:
         self.fused: FusedOps | None = None
         if dtype in (torch.float32, torch.bfloat16) and fused_ops_error() is None:
             self.fused = FusedOps(dtype)
+        # bfloat16 decode steps of a few rows: everything between two attentions in one C
+        # call per layer (kernels/decode_layer_bf16.c), where every matrix has a few-row copy.
+        self.decode_layers = self._decode_layers() if self.fused is not None else None
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """The fused decode layer's view of the weights, where it can run (bfloat16 float
+        weights with the few-row kernel's copies, AVX512_BF16), else None."""
+        if self.dtype != torch.bfloat16 or len(self.layers) < 2 or self.head_dim % 2 \
+                or decode_layer_error() is not None:
+            return None
+        parts = []
+        for cur, nxt in zip(self.layers, self.layers[1:]):
+            mats = (cur.o_proj, cur.gate, cur.down, nxt.qkv)
+            gemv = [m.gemv for m in mats if type(m) is PackedWeight]
+            few_row = [g for g in gemv if isinstance(g, GemvWeight)]
+            if len(few_row) < 4 or not few_row[1].silu_pair:
+                return None
+            o, gate, down, qkv = few_row
+            parts.append(LayerParts(o, cur.o_bias, cur.post_norm, gate, down, nxt.input_norm,
+                                    qkv, nxt.qkv_bias))
+        c = self.config
+        return DecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
+                            self.num_kv_heads, self.head_dim, self.eps)
 
     def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
         c = self.config
@@ -203,12 +230,26 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         last = len(self.layers) - 1
+        # A decode step of a few rows: layer i's work after its attention through layer
+        # i + 1's qkv, RoPE and KV write in one C call (bit for bit the calls below).
+        dl = self.decode_layers
+        if dl is not None and not want_k \
+                and t <= min(decode_layer_bf16.MAX_ROWS, linear_mod.GEMV_MAX_ROWS):
+            dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
+        else:
+            dl = None
         for i, layer in enumerate(self.layers):
-            qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
-            q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos,
-                                    sin, positions, meta.slot_mapping, kv_caches[i], want_k)
-            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            if dl is None or i == 0:  # else q and v come from the fused call of layer i - 1
+                qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+                q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                        cos, sin, positions, meta.slot_mapping, kv_caches[i],
+                                        want_k)
+                v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads,
+                                                             self.head_dim)
             o = attn.forward(q, k, v, kv_caches[i], meta, kv_written=True)
+            if dl is not None and i < last:
+                q, v = dl.layer(i, h, o, kv_caches[i + 1])
+                continue
             x = apply_linear(o, layer.o_proj, layer.o_bias)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.

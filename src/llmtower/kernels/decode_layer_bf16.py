@@ -1,0 +1,158 @@
+"""Python side of the fused bfloat16 decode layer (``decode_layer_bf16.c``): ``DecodeLayers``
+owns the C structs that describe a model's layers and one step's buffers, and runs the work
+between two attentions (o projection, residual + norm, MLP, residual + next norm, next qkv,
+RoPE + KV write) in one call per layer.
+
+Used by ``models/llama.py`` for decode steps of at most ``MAX_ROWS`` rows in bfloat16 where
+the few-row kernel runs (its ``PackedWeight`` copies are what the C code reads). The results
+are bit for bit those of the separate kernels (same code, same order): only the Python between
+them goes. The calls do no checking beyond what ``begin_step`` validates once per step.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.gemv_bf16 import GemvWeight
+
+_P = ctypes.c_void_p
+# Most rows a step may have for the fused path (the few-row kernel's own limit; see
+# models/linear.py GEMV_MAX_ROWS). 0 turns the fused layer off (benchmarks compare the two).
+MAX_ROWS = 8
+
+
+class DecodeLayerWeights(ctypes.Structure):
+    """One layer's matrices (the few-row kernel's packed copies) and vectors, by address."""
+
+    _fields_ = [(n, _P) for n in ("o", "o_bias", "post_norm", "gate_up", "down", "next_norm",
+                                  "qkv", "qkv_bias")]
+
+
+class DecodeStep(ctypes.Structure):
+    """What every layer of one step shares: shapes, rotary tables, indices, work buffers."""
+
+    _fields_ = [("t", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("nh", ctypes.c_int64), ("nkv", ctypes.c_int64), ("d", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("num_threads", ctypes.c_int),
+                ("cos", _P), ("sin", _P), ("positions", _P), ("slots", _P),
+                ("x", _P), ("n", _P), ("y", _P), ("qkv", _P), ("q_out", _P)]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = load("decode_layer_bf16")
+    lib.decode_layer_bf16_fast.restype = ctypes.c_int
+    lib.decode_layer_bf16.argtypes = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
+    lib.decode_layer_bf16.restype = ctypes.c_int
+    return lib
+
+
+def decode_layer_error() -> str | None:
+    """Why the fused decode layer cannot run here (no compiler, no AVX512_BF16), or None."""
+    try:
+        lib = _lib()
+    except KernelUnavailable as e:
+        return str(e)
+    if not lib.decode_layer_bf16_fast():
+        return "this CPU (or compiler) has no AVX512_BF16"
+    return None
+
+
+class DecodeLayers:
+    """Owns the C descriptions of a model's layer pairs (layer i's o projection and MLP with
+    layer i + 1's input norm and qkv: ``layers[i]`` for i < L - 1) and, per step, the work
+    buffers and the ``DecodeStep`` every call reads; ``layer`` runs one pair."""
+
+    def __init__(self, layers: Sequence[LayerParts], hidden: int, intermediate: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        lib = _lib()
+        self._fn = lib.decode_layer_bf16
+        self.hidden, self.inter = hidden, intermediate
+        self.nh, self.nkv, self.d = num_heads, num_kv_heads, head_dim
+        self.qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
+        if head_dim % 2:
+            raise ValueError(f"the fused decode layer needs an even head_dim, not {head_dim}")
+        self._keep = list(layers)  # the tensors whose addresses the structs hold
+        self._weights = [self._describe(p) for p in layers]
+        self._weight_ptrs = [ctypes.addressof(w) for w in self._weights]
+        self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
+                                nkv=num_kv_heads, d=head_dim, eps=eps)
+        self._step_ptr = ctypes.addressof(self._step)
+        self._step_tensors: tuple[torch.Tensor, ...] = ()
+        self._q = self._v = torch.empty(0)
+
+    def _describe(self, p: LayerParts) -> DecodeLayerWeights:
+        h, i, qd = self.hidden, self.inter, self.nh * self.d
+        want = ((p.o, h, qd, False), (p.gate_up, i, h, True), (p.down, h, i, False),
+                (p.qkv, self.qkv_n, h, False))
+        for g, n, k, pair in want:
+            if (g.n, g.k, g.silu_pair, g.path) != (n, k, pair, 0):
+                raise ValueError(f"fused decode layer: a matrix is [{g.n}, {g.k}] (gate/up pair "
+                                 f"{g.silu_pair}), expected [{n}, {k}] (pair {pair})")
+        vectors = ((p.post_norm, h), (p.next_norm, h), (p.o_bias, h), (p.qkv_bias, self.qkv_n))
+        for v, n in vectors:
+            if v is not None and (v.dtype != torch.bfloat16 or not v.is_contiguous()
+                                  or v.numel() != n):
+                raise ValueError(f"fused decode layer: norms and biases must be contiguous "
+                                 f"bfloat16 [{n}]")
+        return DecodeLayerWeights(
+            p.o.packed.data_ptr(), _ptr(p.o_bias), p.post_norm.data_ptr(),
+            p.gate_up.packed.data_ptr(), p.down.packed.data_ptr(), p.next_norm.data_ptr(),
+            p.qkv.packed.data_ptr(), _ptr(p.qkv_bias))
+
+    def begin_step(self, t: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+        """Buffers and shared values of a step of ``t`` rows (positions and slots checked by
+        the caller, as for ``FusedOps``; cos / sin: the full-width bfloat16 rotary tables)."""
+        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+            raise TypeError("fused decode layer: the rotary tables must be bfloat16")
+        e = functools.partial(torch.empty, dtype=torch.bfloat16)
+        x, n, y, qkv, q = (e(t, self.hidden), e(t, self.hidden), e(t, self.inter),
+                           e(t, self.qkv_n), e(t, self.nh, self.d))
+        self._step_tensors = (cos, sin, positions, slots, x, n, y, qkv, q)
+        s = self._step
+        s.t, s.num_threads = t, torch.get_num_threads()
+        s.cos, s.sin, s.positions, s.slots = (cos.data_ptr(), sin.data_ptr(),
+                                              positions.data_ptr(), slots.data_ptr())
+        s.x, s.n, s.y, s.qkv, s.q_out = (x.data_ptr(), n.data_ptr(), y.data_ptr(),
+                                         qkv.data_ptr(), q.data_ptr())
+        self._q = q
+        self._v = qkv[:, (self.nh + self.nkv) * self.d:].view(t, self.nkv, self.d)
+
+    def layer(self, i: int, h: torch.Tensor, attn_out: torch.Tensor, kv_cache: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention (``attn_out`` [t, H * D]) through layer i + 1's qkv:
+        ``h`` (the residual stream [t, hidden]) updated in place, k and v written to their
+        slots of ``kv_cache`` (layer i + 1's), and (q [t, H, D], v [t, Hkv, D]) returned for
+        layer i + 1's attention. q and v live in the step's buffers: the next call reuses them."""
+        if attn_out.stride(1) != 1 or attn_out.shape[0] != self._step.t:
+            raise ValueError("fused decode layer: attention output rows must be unit-stride "
+                             "and the step's row count")
+        k_ptr = kv_cache.data_ptr()
+        self._fn(self._weight_ptrs[i], self._step_ptr, h.data_ptr(), attn_out.data_ptr(),
+                 attn_out.stride(0), k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size())
+        return self._q, self._v
+
+
+@dataclass
+class LayerParts:
+    """The tensors of one layer pair that ``DecodeLayers`` reads: layer i's o projection,
+    post-attention norm and MLP; layer i + 1's input norm and qkv projection."""
+
+    o: GemvWeight
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: GemvWeight  # a gate/up pair (``GemvWeight(gate, up)``)
+    down: GemvWeight
+    next_norm: torch.Tensor
+    qkv: GemvWeight
+    qkv_bias: torch.Tensor | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

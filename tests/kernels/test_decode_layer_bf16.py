@@ -1,0 +1,127 @@
+"""The fused bfloat16 decode layer (``kernels/decode_layer_bf16.c``): through the engine, every
+step's logits equal those of the separate kernels bit for bit (decode steps of 1-8 rows use it,
+larger ones and prefills do not), and bad inputs are refused with clear errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtower.kernels import decode_layer_bf16 as DL
+from llmtower.kernels.decode_layer_bf16 import DecodeLayers, LayerParts, decode_layer_error
+from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.models import llama
+from tests.executor.exactness_helpers import add_greedy, make_engine, random_prompts, run_all
+from tests.fixtures.tiny_models import (  # noqa: F401  (pytest finds fixtures by name)
+    make_tiny_model_dir,
+    tiny_llama_dir,
+    tiny_tokenizer_dir,
+)
+
+pytestmark = pytest.mark.skipif(decode_layer_error() is not None,
+                                reason=f"the fused decode layer does not run here: {decode_layer_error()}")
+# The unwrapped methods (each run below wraps them afresh to record what they see).
+_REAL_LOGITS, _REAL_LAYER = llama.LlamaForCausalLM._logits, DecodeLayers.layer
+
+
+@pytest.fixture(scope="module")
+def odd_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:  # noqa: F811
+    """Four layers with q/k/v biases and sizes that are no multiple of the kernel's tiles
+    (hidden 96, 3:1 heads of 32, intermediate 200); norms and biases random too (they are
+    ones and zeros at initialization, which would hide a mix-up)."""
+    from safetensors.torch import load_file, save_file
+    d = make_tiny_model_dir(tmp_path_factory, "qwen2", tokenizer_dir=tiny_tokenizer_dir,
+                            hidden_size=96, num_layers=4, num_heads=3, num_kv_heads=1,
+                            intermediate_size=200, initializer_range=0.2, seed=3)
+    path = d / "model.safetensors"
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if t.dim() == 1:  # norm weights around 1, biases around 0
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            tensors[name] = base + 0.5 * torch.randn(t.shape, generator=g)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return d
+
+
+def _run(model_dir: Path, prompts: list[list[int]], threads: int, monkeypatch
+         ) -> tuple[dict[str, list[int]], list[torch.Tensor], list[int]]:
+    """Greedy tokens, every step's logits, and the row counts of the steps that took the
+    fused layer."""
+    logits: list[torch.Tensor] = []
+    fused_rows: list[int] = []
+
+    def record_logits(self, x):
+        out = _REAL_LOGITS(self, x)
+        logits.append(out.clone())
+        return out
+
+    def record_layer(self, i, h, attn_out, kv_cache):
+        if i == 0:
+            fused_rows.append(h.shape[0])
+        return _REAL_LAYER(self, i, h, attn_out, kv_cache)
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_logits", record_logits)
+    monkeypatch.setattr(DecodeLayers, "layer", record_layer)
+    core = make_engine(model_dir, dtype="bfloat16", num_threads=threads)
+    add_greedy(core, prompts, 12)
+    return run_all(core), logits, fused_rows
+
+
+@pytest.mark.parametrize("n, threads", [(1, 1), (3, 2), (9, 2)])
+def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads):
+    prompts = random_prompts(n, 3, 40, seed=n)
+    max_rows = DL.MAX_ROWS
+    tokens, logits, fused_rows = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
+    monkeypatch.setattr(DL, "MAX_ROWS", 0)  # off: the separate kernels of every op
+    tokens_off, logits_off, fused_off = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
+    assert fused_off == []
+    # Every decode step of <= 8 rows took it (11 after the prefill: 12 tokens each); prefills
+    # (fresh keys wanted) and steps of 9 rows did not.
+    assert fused_rows == ([] if n > max_rows else [n] * 11)
+    assert tokens == tokens_off
+    assert len(logits) == len(logits_off)
+    for a, b in zip(logits, logits_off):
+        assert torch.equal(a, b)
+
+
+def test_the_model_uses_it_only_where_it_runs(odd_qwen2_dir, tiny_llama_dir):  # noqa: F811
+    from llmtower.models.loader import load_model_config, load_state_dict
+    for d in (odd_qwen2_dir, tiny_llama_dir):
+        cfg = load_model_config(d)
+        bf16 = llama.LlamaForCausalLM(cfg, load_state_dict(d, torch.bfloat16), torch.bfloat16, 64)
+        f32 = llama.LlamaForCausalLM(cfg, load_state_dict(d, torch.float32), torch.float32, 64)
+        assert bf16.decode_layers is not None
+        assert f32.decode_layers is None  # float32 keeps oneDNN (token-exact vs transformers)
+
+
+def _parts(hidden=64, inter=96, nh=2, nkv=1, d=32) -> LayerParts:
+    g = torch.Generator().manual_seed(0)
+
+    def w(n, k):
+        return torch.randn(n, k, generator=g).bfloat16()
+    qkv_n = (nh + 2 * nkv) * d
+    return LayerParts(GemvWeight(w(hidden, nh * d)), None, torch.ones(hidden).bfloat16(),
+                      GemvWeight(w(inter, hidden), w(inter, hidden)), GemvWeight(w(hidden, inter)),
+                      torch.ones(hidden).bfloat16(), GemvWeight(w(qkv_n, hidden)), None)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="expected"):
+        DecodeLayers([_parts(inter=128)], 64, 96, 2, 1, 32, 1e-6)  # MLP width off
+    bad = _parts()
+    bad.post_norm = torch.ones(64)  # float32
+    with pytest.raises(ValueError, match="bfloat16"):
+        DecodeLayers([bad], 64, 96, 2, 1, 32, 1e-6)
+    layers = DecodeLayers([_parts()], 64, 96, 2, 1, 32, 1e-6)
+    pos = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="rotary tables"):
+        layers.begin_step(1, torch.ones(8, 32), torch.ones(8, 32), pos, pos)
+    layers.begin_step(1, torch.ones(8, 32).bfloat16(), torch.ones(8, 32).bfloat16(), pos, pos)
+    h = torch.zeros(1, 64).bfloat16()
+    cache = torch.zeros(2, 1, 4, 1, 32).bfloat16()
+    with pytest.raises(ValueError, match="unit-stride"):
+        layers.layer(0, h, torch.zeros(64, 2).bfloat16().T[:1], cache)
+    with pytest.raises(ValueError, match="row count"):
+        layers.layer(0, h, torch.zeros(2, 64).bfloat16(), cache)
