@@ -173,3 +173,92 @@ def test_kernel_matches_sdpa_on_random_shapes(kv_heads, group, head_dim, block_s
     paged_decode(q, k_cache, v_cache, tables, ctx, out, head_dim ** -0.5, threads)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5),
                                rtol=1e-5, atol=1e-5)
+
+
+def _bf16_close(out, q, k_cache, v_cache, tables, ctx, scale):
+    """bfloat16 output within the error of PyTorch's own bfloat16 SDPA of the float32 truth."""
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), tables, ctx, scale)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=8e-3, atol=2e-3)
+    ours = (out.float() - expected).abs().max()
+    theirs = (reference(q, k_cache, v_cache, tables, ctx, scale).float() - expected).abs().max()
+    assert ours <= theirs * 1.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (14, 2, 48),   # grouped path, D a multiple of 16 but not of 32 (bfloat16 widens the keys)
+    (16, 2, 128),  # grouped path, vdpbf16ps over 4 pairs of 32 dims
+    (4, 1, 256),   # the largest head the grouped path takes
+    (4, 2, 272),   # larger: the per-request path
+])
+def test_grouped_decode_head_sizes(dtype, heads, kv_heads, head_dim):
+    lens = [1, 15, 16, 17, 31, 33, 130, 64]
+    q, k_cache, v_cache, tables, ctx = case(5, heads, kv_heads, head_dim, 16, lens, num_blocks=40)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    out = torch.full((len(lens), heads, head_dim), float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, scale, 3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, ctx, scale),
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        _bf16_close(out, q, k_cache, v_cache, tables, ctx, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_over_a_huge_score_range(dtype):
+    """Scores hundreds apart: most weights underflow (the vectorised exp clamps below -87.3)
+    and the maximum may sit in any lane of a 16-key tile or in a short tail."""
+    lens = [1, 3, 16, 19, 47, 100]
+    q, k_cache, v_cache, tables, ctx = case(6, 9, 3, 64, 16, lens, num_blocks=30)
+    q = (q * 40).to(dtype)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    out = torch.empty(len(lens), 9, 64, dtype=dtype)
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, 0.125, 2)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), tables, ctx, 0.125)
+    assert torch.isfinite(out.float()).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_does_not_depend_on_the_thread_count(dtype):
+    """Threads claim (request, KV head) units as they go and fetch their next unit ahead; every
+    output row is still computed by one thread in one order, so any thread count gives the
+    same bits."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 300, (40,), generator=g).tolist()
+    q, k_cache, v_cache, tables, ctx = case(7, 9, 3, 64, 16, lens,
+                                            num_blocks=sum(-(-n // 16) for n in lens) + 4)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(len(lens), 9, 64, dtype=dtype)
+        paged_decode(q, k_cache, v_cache, tables, ctx, out, 0.125, threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    if dtype == torch.bfloat16:
+        _bf16_close(outs[0], q, k_cache, v_cache, tables, ctx, 0.125)
+
+
+def test_bfloat16_grouped_decode_reads_only_the_blocks_in_the_table():
+    """The bfloat16 grouped path (pairs of dims per vdpbf16ps, whole 16-key tiles) with every
+    unowned block and every slot past a context poisoned: a stray read shows as NaN."""
+    lens = [5, 16, 33, 40]
+    q, k_cache, v_cache, tables, ctx = case(8, 9, 3, 64, 16, lens, num_blocks=20)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    expected = torch.empty(len(lens), 9, 64, dtype=torch.bfloat16)
+    paged_decode(q, k_cache, v_cache, tables, ctx, expected, 0.125, 2)
+    owned = torch.zeros(20, dtype=torch.bool)
+    for r, n in enumerate(lens):
+        owned[tables[r, :-(-n // 16)]] = True
+        if n % 16:
+            k_cache[tables[r, n // 16], n % 16:] = float("nan")
+            v_cache[tables[r, n // 16], n % 16:] = float("nan")
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("nan")
+    out = torch.empty_like(expected)
+    paged_decode(q, k_cache, v_cache, tables, ctx, out, 0.125, 2)
+    assert torch.equal(out, expected)
