@@ -99,6 +99,19 @@ def test_many_rows_use_the_weight_dequantized_to_bfloat16_once(kind):
                                atol=0.01 * small.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [8, 24, 100, 200, 344])
+def test_int8_input_widths_not_a_multiple_of_16_multiply_correctly(k):
+    """torch's int8 kernel reads 16 inputs at a time with no tail: unpadded, K = 200 (a
+    hidden size of 200) gave NaNs or crashed the process."""
+    torch.manual_seed(k)
+    t = quantize_int8(torch.randn(72, k))
+    lin = pack(t)
+    for rows in (1, 5, 13):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        ref = x.float() @ t.dequantize().T
+        torch.testing.assert_close(lin(x).float(), ref, rtol=0.03, atol=0.02 * ref.abs().max().item())
+
+
 def test_int4_shapes_the_kernel_cannot_take_fall_back_to_int8():
     t = quantize_int4(torch.randn(40, 64))  # 40 rows: not a multiple of 16
     assert pack(t).kind == "int8"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from llmtower.models.linear import linear
 
@@ -42,6 +43,10 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
 INT4_GROUP = 32
 # _convert_weight_to_int4pack_for_cpu wants the output dimension in multiples of 16.
 _INT4_ROW_MULTIPLE = 16
+# _weight_int8pack_mm reads the input dimension 16 at a time with no tail: for K = 200 it read
+# past the rows (NaNs, segfaults; torch 2.13 CPU). Such matrices get zero columns up to a
+# multiple of 16, and the activations too, per call (a few rows: a small copy).
+_INT8_COLUMN_MULTIPLE = 16
 # Rows from which a product dequantizes the weight to bfloat16 for oneDNN's GEMM (see above).
 DEQUANTIZE_MIN_ROWS = 256
 
@@ -141,6 +146,7 @@ class QuantizedLinear:
         self._q = t.q.contiguous()
         self._scale = t.scale.to(cd).contiguous()
         self._zero = None if t.zero is None else t.zero.to(cd).contiguous()
+        self._k_pad = 0
         if t.kind == "int4":
             self._q = (t.q[:, 0::2] | (t.q[:, 1::2] << 4)).contiguous()
             if not int4_supported(t.shape, t.group_size):
@@ -153,7 +159,8 @@ class QuantizedLinear:
             # [K // group, N, 2]: (scale, zero) of each group of each output channel.
             self.scales = torch.stack([t.scale.t(), t.zero.t()], dim=-1).to(cd).contiguous()
         else:
-            self.weight = t.q.contiguous()
+            self._k_pad = -self.in_features % _INT8_COLUMN_MULTIPLE  # int8 only
+            self.weight = F.pad(t.q, (0, self._k_pad)).contiguous()
             self.scales = t.scale.view(-1).to(cd).contiguous()
 
     @property
@@ -184,6 +191,8 @@ class QuantizedLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.weight, self.group_size,
                                                             self.scales)
         else:
+            if self._k_pad:
+                xc = F.pad(xc, (0, self._k_pad))
             y = torch.ops.aten._weight_int8pack_mm(xc, self.weight, self.scales)
         if y.dtype != dtype:
             y = y.to(dtype)
