@@ -69,10 +69,23 @@ def _run(model_dir: Path, prompts: list[list[int]], threads: int, monkeypatch
     return run_all(core), logits, fused_rows
 
 
-@pytest.mark.parametrize("n, threads", [(1, 1), (3, 2), (9, 2)])
-def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads):
+@pytest.mark.parametrize("n, threads, whole", [(1, 1, True), (1, 2, False), (3, 2, True),
+                                              (3, 1, False), (9, 2, True)])
+def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads,
+                                                       whole):
+    """``whole``: layers 1 .. L-2 run whole in C (attention included), else one fused call
+    per layer after a Python attention."""
     prompts = random_prompts(n, 3, 40, seed=n)
     max_rows = DL.MAX_ROWS
+    monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
+    spans: list[tuple[int, int]] = []
+    real_span = DecodeLayers.attend_and_layers
+
+    def record_span(self, first, count, *args):
+        spans.append((first, count))
+        return real_span(self, first, count, *args)
+
+    monkeypatch.setattr(DecodeLayers, "attend_and_layers", record_span)
     tokens, logits, fused_rows = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
     monkeypatch.setattr(DL, "MAX_ROWS", 0)  # off: the separate kernels of every op
     tokens_off, logits_off, fused_off = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
@@ -80,6 +93,8 @@ def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatc
     # Every decode step of <= 8 rows took it (11 after the prefill: 12 tokens each); prefills
     # (fresh keys wanted) and steps of 9 rows did not.
     assert fused_rows == ([] if n > max_rows else [n] * 11)
+    # Four layers: layer 0 and 3 from Python, 1 and 2 whole in C.
+    assert spans == ([(1, 2)] * 11 if whole and n <= max_rows else [])
     assert tokens == tokens_off
     assert len(logits) == len(logits_off)
     for a, b in zip(logits, logits_off):

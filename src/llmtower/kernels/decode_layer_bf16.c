@@ -66,3 +66,42 @@ int decode_layer_bf16(const DecodeLayerWeights *w, const DecodeStep *s, uint16_t
     }
     return 0;
 }
+
+/* kernels/paged_attention.c's paged_decode (one query row per request), called by address so
+ * that a step's layers need no Python between them (decode_layer_bf16.py checks its
+ * declared signature before handing the address over). */
+typedef int (*PagedDecodeFn)(const void *q, int64_t q_stride, const void *k_cache,
+                             const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                             const int64_t *context_lens, void *out, int64_t num_reqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, float scale, int dtype, int num_threads);
+
+/* One step's decode attention: the kernel, the requests' tables and lengths (checked once per
+ * step by the Python caller), and the output buffer [t, nh * d]. */
+typedef struct {
+    PagedDecodeFn fn;
+    const int64_t *block_tables;
+    int64_t bt_stride;
+    const int64_t *context_lens;
+    int64_t block_size;
+    float scale;
+    uint16_t *out;
+} DecodeAttention;
+
+/* Layers first .. first + count - 1 (count >= 0), each: its attention over q in s->q_out and
+ * its caches, then decode_layer_bf16 through the next layer's qkv (w: the model's array of
+ * layer pairs). Returns 0, paged_decode's nonzero code, or 1 for bad sizes. */
+int decode_layers_bf16(const DecodeLayerWeights *w, const DecodeStep *s, const DecodeAttention *a,
+                       uint16_t *h, void *const *k_caches, void *const *v_caches, int64_t first,
+                       int64_t count) {
+    const int64_t qd = s->nh * s->d;
+    for (int64_t i = first; i < first + count; i++) {
+        int rc = a->fn(s->q_out, qd, k_caches[i], v_caches[i], a->block_tables, a->bt_stride,
+                       a->context_lens, a->out, s->t, s->nh, s->nkv, s->d, a->block_size,
+                       a->scale, 1, s->num_threads);
+        if (rc) return rc;
+        rc = decode_layer_bf16(&w[i], s, h, a->out, qd, k_caches[i + 1], v_caches[i + 1]);
+        if (rc) return rc;
+    }
+    return 0;
+}

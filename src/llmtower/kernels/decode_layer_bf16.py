@@ -14,9 +14,11 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from llmtower.kernels import paged_attention
 from llmtower.kernels.build import KernelUnavailable, load
 from llmtower.kernels.gemv_bf16 import GemvWeight
 
@@ -24,6 +26,9 @@ _P = ctypes.c_void_p
 # Most rows a step may have for the fused path (the few-row kernel's own limit; see
 # models/linear.py GEMV_MAX_ROWS). 0 turns the fused layer off (benchmarks compare the two).
 MAX_ROWS = 8
+# Whether pure one-row decode steps run layers 1 .. L-2 whole in C, attention included
+# (``attend_and_layers``); False: one call per layer after a Python attention (benchmarks).
+WHOLE_LAYERS = True
 
 
 class DecodeLayerWeights(ctypes.Structure):
@@ -43,12 +48,41 @@ class DecodeStep(ctypes.Structure):
                 ("x", _P), ("n", _P), ("y", _P), ("qkv", _P), ("q_out", _P)]
 
 
+class DecodeAttention(ctypes.Structure):
+    """One step's decode attention for ``decode_layers_bf16``: the kernel's address, the
+    requests' block tables and context lengths, the output buffer."""
+
+    _fields_ = [("fn", _P), ("block_tables", _P), ("bt_stride", ctypes.c_int64),
+                ("context_lens", _P), ("block_size", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("out", _P)]
+
+
+# paged_attention.py's declaration of paged_decode that decode_layers_bf16.c calls by address;
+# if that declaration changes, the address is not used (each layer's attention then runs from
+# Python) rather than called with the wrong arguments.
+_PAGED_DECODE_ARGTYPES = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, _P, _P,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+def _paged_decode_address() -> int | None:
+    try:
+        fn: Any = paged_attention._fn()  # a ctypes function (typed as a plain callable there)
+    except KernelUnavailable:
+        return None
+    if list(fn.argtypes or ()) != _PAGED_DECODE_ARGTYPES or fn.restype is not ctypes.c_int:
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = load("decode_layer_bf16")
     lib.decode_layer_bf16_fast.restype = ctypes.c_int
     lib.decode_layer_bf16.argtypes = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
     lib.decode_layer_bf16.restype = ctypes.c_int
+    lib.decode_layers_bf16.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
+    lib.decode_layers_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -78,8 +112,16 @@ class DecodeLayers:
         if head_dim % 2:
             raise ValueError(f"the fused decode layer needs an even head_dim, not {head_dim}")
         self._keep = list(layers)  # the tensors whose addresses the structs hold
-        self._weights = [self._describe(p) for p in layers]
-        self._weight_ptrs = [ctypes.addressof(w) for w in self._weights]
+        n = len(self._keep)
+        self._weights = (DecodeLayerWeights * n)(*(self._describe(p) for p in layers))
+        size = ctypes.sizeof(DecodeLayerWeights)
+        self._weight_ptrs = [ctypes.addressof(self._weights) + i * size for i in range(n)]
+        self._layers_fn = lib.decode_layers_bf16
+        self._attn = DecodeAttention(fn=_paged_decode_address())
+        self._attn_ptr = ctypes.addressof(self._attn)
+        self._out = torch.empty(0)
+        self._cache_key: tuple[int, ...] = ()
+        self._cache_ptrs = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
         self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
                                 nkv=num_kv_heads, d=head_dim, eps=eps)
         self._step_ptr = ctypes.addressof(self._step)
@@ -123,6 +165,45 @@ class DecodeLayers:
                                          qkv.data_ptr(), q.data_ptr())
         self._q = q
         self._v = qkv[:, (self.nh + self.nkv) * self.d:].view(t, self.nkv, self.d)
+        self._out = e(t, self.nh * self.d)
+        self._attn.out = self._out.data_ptr()
+
+    @property
+    def attends(self) -> bool:
+        """Whether ``attend_and_layers`` can run (the attention kernel's address is known)."""
+        return WHOLE_LAYERS and self._attn.fn is not None
+
+    def attend_and_layers(self, first: int, count: int, h: torch.Tensor,
+                          kv_caches: Sequence[torch.Tensor], block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, block_size: int, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``first`` .. ``first + count - 1`` whole in one C call: each one's decode
+        attention (``paged_decode``, one query row per request: the step must be decodes
+        only, with tables and lengths already checked against the caches, as the attention
+        of layer ``first - 1`` does) over q from the previous call, then ``layer``. Returns
+        (q, v) for layer ``first + count``, as ``layer`` does."""
+        a = self._attn
+        a.block_tables, a.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
+        a.context_lens, a.block_size, a.scale = context_lens.data_ptr(), block_size, scale
+        k_ptrs, v_ptrs = self._caches(kv_caches)
+        rc = self._layers_fn(ctypes.addressof(self._weights), self._step_ptr, self._attn_ptr,
+                             h.data_ptr(), k_ptrs, v_ptrs, first, count)
+        if rc == -1:
+            raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
+        if rc != 0:
+            raise RuntimeError(f"fused decode layers: a kernel refused its inputs (code {rc})")
+        return self._q, self._v
+
+    def _caches(self, kv_caches: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+        """The K and V pointers of every layer's cache (kept while the caches stay put)."""
+        key = (id(kv_caches), len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        if key != self._cache_key:
+            n = len(kv_caches)
+            k = (ctypes.c_void_p * n)(*(c.data_ptr() for c in kv_caches))
+            v = (ctypes.c_void_p * n)(*(c.data_ptr() + c.stride(0) * c.element_size()
+                                        for c in kv_caches))
+            self._cache_key, self._cache_ptrs = key, (k, v)
+        return self._cache_ptrs
 
     def layer(self, i: int, h: torch.Tensor, attn_out: torch.Tensor, kv_cache: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

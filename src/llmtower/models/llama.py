@@ -238,7 +238,17 @@ class LlamaForCausalLM:
             dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
         else:
             dl = None
+        db = meta.decodes
+        # Pure one-row decodes (the C attention kernel's case): layers 1 .. L-2 run whole in
+        # C, attention included; layer 0's attention (which checks the step's tables) and the
+        # last layer run as below.
+        whole = dl is not None and dl.attends and attn.backend == "c" and db is not None \
+            and db.query_start is None and db.num_rows == t and not meta.prefills \
+            and not meta.decode_groups and last > 1
+        c_until = 0  # layers below this ran whole in C
         for i, layer in enumerate(self.layers):
+            if i < c_until:
+                continue
             if dl is None or i == 0:  # else q and v come from the fused call of layer i - 1
                 qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
                 q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -249,6 +259,11 @@ class LlamaForCausalLM:
             o = attn.forward(q, k, v, kv_caches[i], meta, kv_written=True)
             if dl is not None and i < last:
                 q, v = dl.layer(i, h, o, kv_caches[i + 1])
+                if whole and i == 0:
+                    assert db is not None and db.checked  # by layer 0's attention
+                    q, v = dl.attend_and_layers(1, last - 1, h, kv_caches, db.block_tables,
+                                                db.context_lens, attn.block_size, attn.scale)
+                    c_until = last
                 continue
             x = apply_linear(o, layer.o_proj, layer.o_bias)
             if i == last:
