@@ -87,7 +87,8 @@ class Variant:
 
     name: str
     path: Path
-    max_model_len: int
+    max_model_len: int  # what the engines here run with
+    limit: int  # the model's own: max_position_embeddings, or a smaller sliding window
     _refs: dict[torch.dtype, list[list[int]]] = field(default_factory=dict)
 
     def reference(self, dtype: torch.dtype) -> list[list[int]]:
@@ -102,13 +103,14 @@ class Variant:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, tmp_path_factory, tiny_tokenizer_dir) -> Variant:
-    kw = VARIANTS[request.param]
+    # max_position_embeddings 96 unless set: the last-position test's prompts stay short.
+    kw = {"max_position_embeddings": 96, **VARIANTS[request.param]}
     # A wider initialization than the fixtures' 0.02: logits less flat, fewer near-ties for
     # bfloat16 rounding to break differently.
     path = make_tiny_model_dir(tmp_path_factory, tokenizer_dir=tiny_tokenizer_dir,
                                initializer_range=0.05, **kw)
-    max_len = min(64, kw.get("sliding_window") or 64, kw.get("max_position_embeddings", 64))
-    return Variant(request.param, path, max_len)
+    limit = min(kw.get("sliding_window") or 10**9, kw["max_position_embeddings"])
+    return Variant(request.param, path, min(64, limit), limit)
 
 
 def _generate(core: EngineCore, one_at_a_time: bool) -> list[list[int]]:
@@ -145,6 +147,28 @@ def test_float32_greedy_is_token_exact(variant, threads):
     assert max(map(len, PROMPTS)) > CHUNKED["long_prefill_token_threshold"]  # chunks, really
     got = _generate(core, one_at_a_time=False)
     assert got == variant.reference(torch.float32)
+
+
+def test_generation_stops_at_the_models_last_position(variant):
+    """max_model_len is the model's own limit (max_position_embeddings, or the sliding window):
+    a prompt 4 tokens short of it gets exactly 4 tokens, the last at the last rotary position,
+    token-exact, and ends with "length"."""
+    from llmtower.core.outputs import EngineCoreRequest
+    from llmtower.core.sampling_params import SamplingParams
+
+    core = make_engine(variant.path, max_model_len=0, max_num_batched_tokens=32)
+    limit = core.scheduler.config.max_model_len
+    assert limit == variant.limit
+    prompt = random_prompts(1, limit - 4, limit - 4, seed=14)[0]
+    core.add_request(EngineCoreRequest("long", prompt, SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True), eos_token_id=2))
+    got, finish = [], None
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            got += o.new_token_ids
+            finish = o.finish_reason or finish
+    assert finish == "length"
+    assert got == hf_greedy(variant.path, [prompt], 4)[0]
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
