@@ -251,6 +251,38 @@ def test_quantized_model_loads_runs_and_matches_its_dequantized_weights(variant,
     assert all(len(g) == MAX_TOKENS for g in got)
 
 
+def test_qwen2_gguf_kept_quantized_matches_its_dequantized_model(variant, tmp_path):
+    """A Qwen2-0.5B-shaped GGUF (Q4_1 attention, Q4_0 MLP, Q8_0 embeddings; q/k/v biases, tied,
+    q/k rows not permuted) run with --quantization gguf, against the float model of the same
+    file's dequantized tensors."""
+    import gguf
+
+    from llmtower.models.gguf_loader import gguf_model_config, gguf_state_dict, open_gguf
+    from llmtower.models.gguf_quant import gguf_quantized_state_dict
+    from tests.fixtures.tiny_gguf import write_gguf_from_hf_dir
+
+    if variant.name != "qwen2_0.5b_shapes":
+        pytest.skip("GGUF's 4-bit blocks need widths in multiples of 32: Qwen2-0.5B's shapes")
+    q = gguf.GGMLQuantizationType
+
+    def qtype_of(name: str, _w: Any) -> Any:
+        return q.Q8_0 if "embed" in name else q.Q4_1 if "self_attn" in name else q.Q4_0
+
+    path = write_gguf_from_hf_dir(variant.path, tmp_path / "qwen2-q4.gguf", qtype_of=qtype_of)
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader)
+    assert cfg.architecture == "Qwen2ForCausalLM" and cfg.num_queries_per_kv == 7
+    quantized = LlamaForCausalLM(cfg, gguf_quantized_state_dict(reader, cfg), torch.bfloat16, 64,
+                                 quantization="gguf")
+    assert isinstance(quantized.layers[0].qkv, QuantizedLinear) and quantized.layers[0].qkv.kind == "int4"
+    reference = LlamaForCausalLM(cfg, gguf_state_dict(reader, cfg), torch.float32, 64)
+    for ids in ([t for p in PROMPTS[:2] for t in p][:40], PROMPTS[2][:3]):
+        _close_to_reference(_logits(quantized, ids).float(), _logits(reference, ids))
+    core = make_engine(path, quantization="gguf", dtype="bfloat16", max_model_len=64, **CHUNKED)
+    got = _generate(core, one_at_a_time=False)
+    assert all(len(g) == MAX_TOKENS for g in got)
+
+
 @functools.cache
 def _llama_config_json() -> dict[str, Any]:
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 600, "hidden_size": 64,
