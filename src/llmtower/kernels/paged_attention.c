@@ -169,7 +169,7 @@ static inline float exp_nonpos(float x) {
 }
 
 /* ---------------------------------------------------------------- grouped one-query decode
- * With AVX-512 and a head size that is a multiple of 16, paged_decode works on one
+ * With AVX-512 and a head size that is a multiple of 16 (up to 256), paged_decode works on one
  * (request, KV head) at a time instead of one request: the G query heads that share the KV
  * head are scored together, so each key row (and each value row) is read once for the group
  * instead of once per query head. attend above computes every score as a 64-wide dot product
@@ -178,7 +178,14 @@ static inline float exp_nonpos(float x) {
  * partials into the 16 scores with 15 shuffle-adds (one horizontal sum each would cost ~8 per
  * score). The values are weighted in 16-dim slices with up to four heads' accumulators in
  * registers across the whole context. Softmax exact as above (maximum subtracted), with
- * exp_nonpos. Same float32 arithmetic; only the summation order differs from attend. */
+ * exp16_nonpos (exp_nonpos on 16 lanes). Same float32 arithmetic; only the summation order
+ * differs from attend. In bfloat16 with AVX-512 BF16 the scores come from vdpbf16ps on the
+ * stored query and key pairs (exact products, float32 sums), scaled afterwards. Each thread
+ * claims its next unit before it starts the current one and fetches the next one's K and V
+ * into L2 meanwhile (Ahead), so that the memory stays busy while a unit computes; measured on
+ * SmolLM2's shape with 30 cold layers (benchmarks/paged_attention_cold.py), these and the
+ * register-held accumulators took a layer call from 0.65 to 0.38 ms (bfloat16) and from 0.94
+ * to 0.69 ms (float32), 2 threads. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGED_GQA 1
