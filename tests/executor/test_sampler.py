@@ -119,6 +119,23 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert tokens == [7]  # with ignore_eos, EOS is not a stop token, so it is not masked
 
 
+def test_min_tokens_with_nothing_to_mask_keeps_the_greedy_fast_path(monkeypatch):
+    """ignore_eos and no stop_token_ids: min_tokens masks nothing, so the row takes the one
+    argmax of a plain greedy step (no per-row processing: vLLM's benchmarks set min_tokens)."""
+    ignore = SamplingParams(temperature=0.0, min_tokens=4, ignore_eos=True, max_tokens=8)
+    masked = SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8)
+    batch, rows = make_batch(ignore, masked, outputs=(4,))
+    assert batch.needs_processing[rows].tolist() == [False, True]
+    processed: list[int] = []
+    real = Sampler._process
+    monkeypatch.setattr(Sampler, "_process",
+                        lambda self, lg, r, b: processed.append(len(r)) or real(self, lg, r, b))
+    tokens, _ = sample(ignore, outputs=(4,))
+    assert (tokens, processed) == ([7], [])
+    tokens, _ = sample(ignore, masked, outputs=(4,))
+    assert (tokens, processed) == ([7, 1], [2])  # EOS masked in the second row only
+
+
 def test_min_tokens_masks_only_its_own_rows_beside_bias_and_plain_rows():
     masked = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[1], max_tokens=8,
                             logprobs=1)

@@ -163,7 +163,10 @@ class InputBatch:
                                     torch.tensor(list(bias.values()), dtype=torch.float32))
         self.needs_processing[row] = (
             sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0 or sp.presence_penalty != 0.0
-            or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0 or sp.min_tokens > 0
+            or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+            # min_tokens with nothing to mask (ignore_eos, no stop_token_ids) changes no logit:
+            # such rows keep the sampler's fast path (one argmax for a greedy step)
+            or bool(self.stop_ids_for_min_tokens.get(row))
             or sp.logprobs is not None or bool(bias))
         if sp.seed is not None and not sp.greedy:
             g = torch.Generator()
