@@ -55,9 +55,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 # name -> make_tiny_model_dir arguments. Vocabularies of 600 are not multiples of 64 and exceed
 # the tokenizer's 512, as Qwen2's padded vocabulary does.
 VARIANTS: dict[str, dict[str, Any]] = {
-    # Qwen2-0.5B's shapes, one layer: GQA 7, intermediate 4864 (76 tiles of 64), tied embeddings.
+    # Qwen2-0.5B's shapes, one layer: GQA 7, intermediate 4864 (76 tiles of 64), tied
+    # embeddings, rope_theta 1e6.
     "qwen2_0.5b_shapes": dict(arch="qwen2", tie=True, hidden_size=896, intermediate_size=4864,
-                              num_heads=14, num_kv_heads=2, num_layers=1, vocab_size=600),
+                              num_heads=14, num_kv_heads=2, num_layers=1, vocab_size=600,
+                              rope_theta=1_000_000.0),
     # Nothing a multiple of 16: hidden 200, intermediate 344, head_dim 40, no GQA, untied.
     "qwen2_hidden200_hd40": dict(arch="qwen2", hidden_size=200, intermediate_size=344,
                                  num_heads=5, num_kv_heads=5, vocab_size=600),
