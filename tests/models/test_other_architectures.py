@@ -12,8 +12,9 @@ caching on:
 - bfloat16: greedy outputs follow transformers' bfloat16 ones, one request at a time (decode
   GEMMs on the few-row kernel ``kernels/gemv_bf16.c``) and twelve at once (oneDNN);
 - float32 with ``--kv-cache-dtype int8`` / ``bfloat16``: greedy outputs follow transformers';
-- ``--quantization int8`` / ``int4``: the model loads, runs, and its logits stay near the float
-  model's.
+- ``--quantization int8`` / ``int4`` (and a Qwen2 GGUF kept quantized): the model runs, and
+  its logits are those of the float model with the weights its integers stand for;
+- a prompt just short of the model's limit ends there, token-exact.
 
 Features the model code does not implement are refused by name (RoPE scaling types).
 """
