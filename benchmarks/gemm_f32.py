@@ -1,6 +1,7 @@
-"""The float32 64-prompt workload with decode-step GEMMs on oneDNN and on ``kernels/gemm_f32.c``
-(switched by ``models.linear.F32_KERNEL_MAX_ROWS``), in one process and one engine: the two
-settings take turns, so a noisy neighbour hits both alike.
+"""The float32 64-prompt workload before and after this page's float32 kernels, in one process
+and one engine, the settings taking turns (a noisy neighbour hits all alike): decode-step GEMMs
+on oneDNN or on ``kernels/gemm_f32.c`` (``models.linear.F32_KERNEL_MAX_ROWS``), fresh prefills
+on SDPA or on ``kernels/prefill_attention_f32.c`` (the attention layer's ``prefill_f32``).
 
 Part 1 (``--shapes``): the model's matrices in isolation, 30 layers' copies cycled as in a
 decode step (weights from memory), ms per product for oneDNN's packed GEMM and the kernel.
@@ -29,7 +30,9 @@ from llmtower.engine.factory import create_engine_core
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.models import linear
 
-SETTINGS = {"oneDNN": 0, "gemm_f32": linear.F32_KERNEL_MAX_ROWS}
+# name -> (F32_KERNEL_MAX_ROWS, prefill kernel on)
+SETTINGS = {"oneDNN+SDPA": (0, False), "gemm_f32+SDPA": (linear.F32_KERNEL_MAX_ROWS, False),
+            "gemm_f32+prefill_f32": (linear.F32_KERNEL_MAX_ROWS, True)}
 # SmolLM2's matrices (out, in); "gate+up" is the fused SwiGLU half (silu_mul).
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate+up": (1536, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}
@@ -120,29 +123,34 @@ def main() -> None:
     prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     run(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
+    attn = core.executor.runner.attn  # type: ignore[attr-defined]
+    kernel_ok = attn.prefill_f32
     rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
     outs: dict[str, dict[str, list[int]]] = {}
     for r in range(args.rounds):
-        for name, rows in SETTINGS.items():
+        for name, (rows, prefill) in SETTINGS.items():
             linear.F32_KERNEL_MAX_ROWS = rows
+            attn.prefill_f32 = prefill and kernel_ok
             core.reset_prefix_cache()
             secs, n, outs[name] = run(core, prompts, sp, f"{r}{name}")
             rates[name].append(n / secs)
-            print(f"round {r} {name:>9}: {n / secs:6.1f} output tok/s ({secs:.2f} s)", flush=True)
+            print(f"round {r} {name:>20}: {n / secs:6.1f} output tok/s ({secs:.2f} s)", flush=True)
     load1 = os.getloadavg()[0]
-    base = statistics.median(rates["oneDNN"])
+    base = statistics.median(rates["oneDNN+SDPA"])
     print(f"\nfloat32, {args.num_prompts} prompts ({args.input_len_range} in, {args.output_len} "
           f"out), {args.threads} threads; load average {load0:.1f} -> {load1:.1f}")
     for name in SETTINGS:
         rate = statistics.median(rates[name])
-        print(f"{name:>9}: {rate:6.1f} output tok/s ({rate / base:.3f}x)  rounds: "
+        print(f"{name:>20}: {rate:6.1f} output tok/s ({rate / base:.3f}x)  rounds: "
               + ", ".join(f"{x:.1f}" for x in rates[name]))
-    a, b = outs["oneDNN"], outs["gemm_f32"]
-    same = sum(a[k] == b.get(k) for k in a)
-    agree = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
-    total = sum(len(v) for v in a.values())
-    print(f"requests with identical outputs: {same}/{len(a)}; tokens equal position by "
-          f"position: {agree}/{total}")
+    a = outs["oneDNN+SDPA"]
+    for name in list(SETTINGS)[1:]:
+        b = outs[name]
+        same = sum(a[k] == b.get(k) for k in a)
+        agree = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
+        total = sum(len(v) for v in a.values())
+        print(f"{name} vs oneDNN+SDPA: requests with identical outputs {same}/{len(a)}; tokens "
+              f"equal position by position {agree}/{total}")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@ from llmtower.models.linear import linear, prepack
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # every oneDNN product goes through models/linear.py's linear or silu_mul (the output layer
     # too: its share is printed on its own line below, inside this one)
-    ("GEMMs (oneDNN), all", ("linear:linear.py", "silu_mul:linear.py")),
+    ("GEMMs (oneDNN, gemm_f32), all", ("linear:linear.py", "silu_mul:linear.py")),
     ("decode attention (C kernel)", ("paged_decode", "paged_decode_mq", "paged_decode_kv")),
-    ("prefill attention (C kernel or SDPA)", ("prefill_attention", "_fresh_prefill",
-                                              "_prefill_with_context")),
+    ("prefill attention (C kernel or SDPA)", ("prefill_attention", "prefill_attention_f32",
+                                              "_fresh_prefill", "_prefill_with_context")),
     ("fused C ops (norm, RoPE+KV, SiLU)", ("add_rms_norm", "rope_kv_write", "silu_mul:fused_ops.py")),
     ("sampler (argmax)", ("__call__:sampler.py",)),
 ]
