@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from llmtower.bench.synthetic import is_synthetic_model, synthetic_model_dir
 from llmtower.bench.throughput import input_lengths, random_prompts
 from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate+up": (1536, 576),
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="or w1")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len-range", default="32:256")
     p.add_argument("--output-len", type=int, default=128)
@@ -115,6 +116,8 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     if args.shapes:
         time_shapes([int(r) for r in args.rows.split(",")])
+    if is_synthetic_model(args.model):  # w1: the synthetic W1 Llama, built on first use
+        args.model = str(synthetic_model_dir(args.model, seed=0))
     core = create_engine_core(EngineArgs(model=args.model, dtype="float32",
                                          num_threads=args.threads))
     assert core.model_info is not None

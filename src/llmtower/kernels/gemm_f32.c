@@ -178,7 +178,6 @@ static void run_panels(const float *x, int64_t m, int64_t ldx, const float *pack
                 int64_t first = b * per, count = 0;
                 if (next && first < lines) count = lines - first < per ? lines - first : per;
                 if (count > k) count = k;
-                (void)first;
 #if HAVE_FAST
                 if (path == 0) tile_dispatch(xr, ldx, rows, pw, k, acc,
                                              next ? next + first * 64 : NULL, count);
