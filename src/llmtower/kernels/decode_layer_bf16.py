@@ -196,7 +196,7 @@ class DecodeLayers:
 
     def _caches(self, kv_caches: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
         """The K and V pointers of every layer's cache (kept while the caches stay put)."""
-        key = (id(kv_caches), len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._cache_key:
             n = len(kv_caches)
             k = (ctypes.c_void_p * n)(*(c.data_ptr() for c in kv_caches))
