@@ -113,6 +113,10 @@ class LlamaForCausalLM:
         else:
             # Its own packed copy when tied: the embedding lookup reads the plain table.
             self.lm_head = _packed(self.lm_head)
+            if type(self.lm_head) is PackedWeight and self.lm_head.f32:
+                # The float32 decode kernel gains nothing on the output layer (measured level
+                # with oneDNN, docs/performance.md): not worth its copy (113 MB on SmolLM2).
+                self.lm_head = self.lm_head.onednn
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
