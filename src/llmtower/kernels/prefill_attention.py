@@ -18,18 +18,27 @@ from llmtower.kernels.build import KernelUnavailable, load
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@functools.cache
-def _fn() -> Callable[..., int]:
-    lib = load("prefill_attention")
-    lib.prefill_supported.restype = ctypes.c_int
-    if not lib.prefill_supported():
-        raise KernelUnavailable("the bfloat16 prefill-attention kernel needs a CPU (and a "
-                                "compiler target) with AVX-512 BF16")
-    f = lib.prefill_attention
+def load_prefill_kernel(lib_name: str, supported: str, entry: str,
+                        unavailable: str) -> Callable[..., int]:
+    """A prefill-attention kernel's entry point (both share one C signature); raises
+    KernelUnavailable with ``unavailable`` where its ``supported()`` says no."""
+    lib = load(lib_name)
+    is_supported = getattr(lib, supported)
+    is_supported.restype = ctypes.c_int
+    if not is_supported():
+        raise KernelUnavailable(unavailable)
+    f = getattr(lib, entry)
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_float,
                   ctypes.c_int]
     return f
+
+
+@functools.cache
+def _fn() -> Callable[..., int]:
+    return load_prefill_kernel("prefill_attention", "prefill_supported", "prefill_attention",
+                               "the bfloat16 prefill-attention kernel needs a CPU (and a "
+                               "compiler target) with AVX-512 BF16")
 
 
 def prefill_kernel_error() -> str | None:
@@ -52,28 +61,39 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     """Causal attention of a chunk starting at position 0: q [n, H, D], k/v [n, Hkv, D]
     (rows may be strided; heads and dims contiguous), out [n, H, D] contiguous; all bfloat16.
     Row i of q attends to rows 0..i of k and v; query head h to KV head h // (H // Hkv)."""
+    return checked_prefill_call(
+        "prefill_attention", torch.bfloat16, prefill_shape_ok,
+        "head_dim a multiple of 32 (<= 512)", _fn, q, k, v, out, scale, num_threads)
+
+
+def checked_prefill_call(name: str, dtype: torch.dtype, shape_ok: Callable[[int, int, int], bool],
+                         shape_rule: str, fn: Callable[[], Callable[..., int]], q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
+                         num_threads: int) -> torch.Tensor:
+    """Checks every shape, dtype and layout a prefill-attention kernel (this one, or its
+    float32 sibling in ``prefill_attention_f32.py``: same C signature) trusts, then calls it."""
     n, h, d = q.shape
     hkv = k.shape[1]
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"prefill_attention: {name} is {x.dtype}; the kernel runs bfloat16")
+    for arg, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x.dtype != dtype:
+            raise TypeError(f"{name}: {arg} is {x.dtype}; the kernel runs {str(dtype)[6:]}")
         if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            raise ValueError(f"prefill_attention: {name} must be [rows, heads, dims] with its "
-                             "heads and dims contiguous")
+            raise ValueError(f"{name}: {arg} must be [rows, heads, dims] with its heads and "
+                             "dims contiguous")
     if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or tuple(out.shape) != (n, h, d):
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{tuple(v.shape)}, out {tuple(out.shape)} do not fit together")
     if not out.is_contiguous():
-        raise ValueError("prefill_attention: out must be contiguous")
-    if not prefill_shape_ok(h, hkv, d):
-        raise ValueError(f"prefill_attention: {h} heads / {hkv} KV heads of {d} dims: the kernel "
-                         "needs head_dim a multiple of 32 (<= 512) and heads a multiple of KV heads")
+        raise ValueError(f"{name}: out must be contiguous")
+    if not shape_ok(h, hkv, d):
+        raise ValueError(f"{name}: {h} heads / {hkv} KV heads of {d} dims: the kernel needs "
+                         f"{shape_rule} and heads a multiple of KV heads")
     if n == 0:
         return out
-    rc = _fn()(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-               out.data_ptr(), n, h, hkv, d, scale, num_threads)
+    rc = fn()(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+              out.data_ptr(), n, h, hkv, d, scale, num_threads)
     if rc == -1:
-        raise MemoryError("prefill_attention: the kernel could not allocate its scratch buffers")
+        raise MemoryError(f"{name}: the kernel could not allocate its scratch buffers")
     if rc != 0:
-        raise RuntimeError(f"prefill_attention: the kernel refused its inputs (code {rc})")
+        raise RuntimeError(f"{name}: the kernel refused its inputs (code {rc})")
     return out
