@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
+from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels import decode_layer_bf16
-from llmtower.kernels.decode_layer_bf16 import DecodeLayers, LayerParts, decode_layer_error
+from llmtower.kernels import decode_layer as decode_layer_mod
+from llmtower.kernels.decode_layer import DecodeLayers, LayerParts, decode_layer_error
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
@@ -128,21 +129,22 @@ class LlamaForCausalLM:
         self.fused: FusedOps | None = None
         if dtype in (torch.float32, torch.bfloat16) and fused_ops_error() is None:
             self.fused = FusedOps(dtype)
-        # bfloat16 decode steps of a few rows: everything between two attentions in one C
-        # call per layer (kernels/decode_layer_bf16.c), where every matrix has a few-row copy.
+        # Decode steps whose products take a decode-step kernel (bfloat16: a few rows; float32:
+        # up to a few hundred): everything between two attentions in one C call per layer
+        # (kernels/decode_layer.c), where every matrix has that kernel's copy.
         self.decode_layers = self._decode_layers() if self.fused is not None else None
 
     def _decode_layers(self) -> DecodeLayers | None:
-        """The fused decode layer's view of the weights, where it can run (bfloat16 float
-        weights with the few-row kernel's copies, AVX512_BF16), else None."""
-        if self.dtype != torch.bfloat16 or len(self.layers) < 2 or self.head_dim % 2 \
-                or decode_layer_error() is not None:
+        """The fused decode layer's view of the weights, where it can run (bfloat16 or
+        float32 float weights with the decode-step kernel's copies), else None."""
+        if len(self.layers) < 2 or self.head_dim % 2 or decode_layer_error(self.dtype) is not None:
             return None
+        kernel = GemvWeight if self.dtype == torch.bfloat16 else GemmF32Weight
         parts = []
         for cur, nxt in zip(self.layers, self.layers[1:]):
             mats = (cur.o_proj, cur.gate, cur.down, nxt.qkv)
             gemv = [m.gemv for m in mats if type(m) is PackedWeight]
-            few_row = [g for g in gemv if isinstance(g, GemvWeight)]
+            few_row = [g for g in gemv if isinstance(g, kernel)]
             if len(few_row) < 4 or not few_row[1].silu_pair:
                 return None
             o, gate, down, qkv = few_row
@@ -150,7 +152,7 @@ class LlamaForCausalLM:
                                     qkv, nxt.qkv_bias))
         c = self.config
         return DecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
-                            self.num_kv_heads, self.head_dim, self.eps)
+                            self.num_kv_heads, self.head_dim, self.eps, self.dtype)
 
     def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
         c = self.config
@@ -234,11 +236,14 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         last = len(self.layers) - 1
-        # A decode step of a few rows: layer i's work after its attention through layer
-        # i + 1's qkv, RoPE and KV write in one C call (bit for bit the calls below).
+        # A decode step (no prefill) whose products take the decode-step kernel: layer i's
+        # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
+        # (bit for bit the calls below).
         dl = self.decode_layers
-        if dl is not None and not want_k \
-                and t <= min(decode_layer_bf16.MAX_ROWS, linear_mod.GEMV_MAX_ROWS):
+        kernel_rows = linear_mod.GEMV_MAX_ROWS if self.dtype == torch.bfloat16 \
+            else linear_mod.F32_KERNEL_MAX_ROWS
+        if dl is not None and not meta.prefills \
+                and t <= min(decode_layer_mod.MAX_ROWS, kernel_rows):
             dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
         else:
             dl = None

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from llmtower import LLM, SamplingParams
-from llmtower.kernels import decode_layer_bf16 as DL
+from llmtower.kernels import decode_layer as DL
 from llmtower.models.default_model import default_model_dir
 
 # setting -> (DL.MAX_ROWS, DL.WHOLE_LAYERS)

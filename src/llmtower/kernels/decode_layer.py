@@ -1,12 +1,14 @@
-"""Python side of the fused bfloat16 decode layer (``decode_layer_bf16.c``): ``DecodeLayers``
-owns the C structs that describe a model's layers and one step's buffers, and runs the work
-between two attentions (o projection, residual + norm, MLP, residual + next norm, next qkv,
-RoPE + KV write) in one call per layer.
+"""Python side of the fused decode layer (``decode_layer.c``): ``DecodeLayers`` owns the C
+structs that describe a model's layers and one step's buffers, and runs the work between two
+attentions (o projection, residual + norm, MLP, residual + next norm, next qkv, RoPE + KV
+write) in one call per layer, or whole layers attention included (``attend_and_layers``).
 
-Used by ``models/llama.py`` for decode steps of at most ``MAX_ROWS`` rows in bfloat16 where
-the few-row kernel runs (its ``PackedWeight`` copies are what the C code reads). The results
-are bit for bit those of the separate kernels (same code, same order): only the Python between
-them goes. The calls do no checking beyond what ``begin_step`` validates once per step.
+Used by ``models/llama.py`` for decode steps whose products take a decode-step kernel: in
+bfloat16 the few-row kernel (``gemv_bf16``, up to ``models/linear.py`` GEMV_MAX_ROWS rows), in
+float32 the panel kernel (``gemm_f32``, up to F32_KERNEL_MAX_ROWS); their ``PackedWeight``
+copies are what the C code reads. The results are bit for bit those of the separate kernels
+(same code, same order): only the Python and the thread fork/joins between them go. The calls
+do no checking beyond what ``begin_step`` validates once per step.
 """
 from __future__ import annotations
 
@@ -20,19 +22,23 @@ import torch
 
 from llmtower.kernels import paged_attention
 from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 
 _P = ctypes.c_void_p
-# Most rows a step may have for the fused path (the few-row kernel's own limit; see
-# models/linear.py GEMV_MAX_ROWS). 0 turns the fused layer off (benchmarks compare the two).
-MAX_ROWS = 8
+# Most rows a step may have for the fused path, beside the limit of the products' kernel
+# (models/linear.py: GEMV_MAX_ROWS for bfloat16, F32_KERNEL_MAX_ROWS for float32). 0 turns the
+# fused layer off (benchmarks and tests compare the two).
+MAX_ROWS = 256
+# The dtypes the C code runs, as its step's ``bf16`` flag.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Whether pure one-row decode steps run layers 1 .. L-2 whole in C, attention included
 # (``attend_and_layers``); False: one call per layer after a Python attention (benchmarks).
 WHOLE_LAYERS = True
 
 
 class DecodeLayerWeights(ctypes.Structure):
-    """One layer's matrices (the few-row kernel's packed copies) and vectors, by address."""
+    """One layer's matrices (the decode-step kernel's packed copies) and vectors, by address."""
 
     _fields_ = [(n, _P) for n in ("o", "o_bias", "post_norm", "gate_up", "down", "next_norm",
                                   "qkv", "qkv_bias")]
@@ -43,13 +49,13 @@ class DecodeStep(ctypes.Structure):
 
     _fields_ = [("t", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("nh", ctypes.c_int64), ("nkv", ctypes.c_int64), ("d", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("num_threads", ctypes.c_int),
+                ("eps", ctypes.c_float), ("num_threads", ctypes.c_int), ("bf16", ctypes.c_int),
                 ("cos", _P), ("sin", _P), ("positions", _P), ("slots", _P),
                 ("x", _P), ("n", _P), ("y", _P), ("qkv", _P), ("q_out", _P)]
 
 
 class DecodeAttention(ctypes.Structure):
-    """One step's decode attention for ``decode_layers_bf16``: the kernel's address, the
+    """One step's decode attention for ``decode_layers``: the kernel's address, the
     requests' block tables and context lengths, the output buffer."""
 
     _fields_ = [("fn", _P), ("block_tables", _P), ("bt_stride", ctypes.c_int64),
@@ -57,7 +63,7 @@ class DecodeAttention(ctypes.Structure):
                 ("out", _P)]
 
 
-# paged_attention.py's declaration of paged_decode that decode_layers_bf16.c calls by address;
+# paged_attention.py's declaration of paged_decode that decode_layer.c calls by address;
 # if that declaration changes, the address is not used (each layer's attention then runs from
 # Python) rather than called with the wrong arguments.
 _PAGED_DECODE_ARGTYPES = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, _P, _P,
@@ -77,23 +83,28 @@ def _paged_decode_address() -> int | None:
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("decode_layer_bf16")
-    lib.decode_layer_bf16_fast.restype = ctypes.c_int
-    lib.decode_layer_bf16.argtypes = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
-    lib.decode_layer_bf16.restype = ctypes.c_int
-    lib.decode_layers_bf16.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
-    lib.decode_layers_bf16.restype = ctypes.c_int
+    lib = load("decode_layer")
+    lib.decode_layer_fast.argtypes = [ctypes.c_int]
+    lib.decode_layer_fast.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
+    lib.decode_layer.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
+    lib.decode_layers.restype = ctypes.c_int
     return lib
 
 
-def decode_layer_error() -> str | None:
-    """Why the fused decode layer cannot run here (no compiler, no AVX512_BF16), or None."""
+def decode_layer_error(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the fused decode layer cannot run here in ``dtype`` (no compiler; no AVX512_BF16
+    for bfloat16, no AVX-512 for float32; another dtype), or None."""
+    if dtype not in DTYPES:
+        return f"the fused decode layer runs float32 and bfloat16, not {dtype}"
     try:
         lib = _lib()
     except KernelUnavailable as e:
         return str(e)
-    if not lib.decode_layer_bf16_fast():
-        return "this CPU (or compiler) has no AVX512_BF16"
+    if not lib.decode_layer_fast(DTYPES[dtype]):
+        return ("this CPU (or compiler) has no AVX512_BF16" if DTYPES[dtype]
+                else "this CPU (or compiler) has no AVX-512")
     return None
 
 
@@ -103,9 +114,15 @@ class DecodeLayers:
     buffers and the ``DecodeStep`` every call reads; ``layer`` runs one pair."""
 
     def __init__(self, layers: Sequence[LayerParts], hidden: int, intermediate: int,
-                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        err = decode_layer_error(dtype)
+        if err is not None:
+            raise ValueError(f"the fused decode layer cannot run: {err}")
         lib = _lib()
-        self._fn = lib.decode_layer_bf16
+        self._fn = lib.decode_layer
+        self.dtype = dtype
+        self._kernel = GemvWeight if dtype == torch.bfloat16 else GemmF32Weight
         self.hidden, self.inter = hidden, intermediate
         self.nh, self.nkv, self.d = num_heads, num_kv_heads, head_dim
         self.qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
@@ -116,14 +133,14 @@ class DecodeLayers:
         self._weights = (DecodeLayerWeights * n)(*(self._describe(p) for p in layers))
         size = ctypes.sizeof(DecodeLayerWeights)
         self._weight_ptrs = [ctypes.addressof(self._weights) + i * size for i in range(n)]
-        self._layers_fn = lib.decode_layers_bf16
+        self._layers_fn = lib.decode_layers
         self._attn = DecodeAttention(fn=_paged_decode_address())
         self._attn_ptr = ctypes.addressof(self._attn)
         self._out = torch.empty(0)
         self._cache_key: tuple[int, ...] = ()
         self._cache_ptrs = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
         self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
-                                nkv=num_kv_heads, d=head_dim, eps=eps)
+                                nkv=num_kv_heads, d=head_dim, eps=eps, bf16=DTYPES[dtype])
         self._step_ptr = ctypes.addressof(self._step)
         self._step_tensors: tuple[torch.Tensor, ...] = ()
         self._q = self._v = torch.empty(0)
@@ -133,15 +150,18 @@ class DecodeLayers:
         want = ((p.o, h, qd, False), (p.gate_up, i, h, True), (p.down, h, i, False),
                 (p.qkv, self.qkv_n, h, False))
         for g, n, k, pair in want:
+            if not isinstance(g, self._kernel):
+                raise TypeError(f"fused decode layer: {self.dtype} takes "
+                                f"{self._kernel.__name__} matrices, not {type(g).__name__}")
             if (g.n, g.k, g.silu_pair, g.path) != (n, k, pair, 0):
                 raise ValueError(f"fused decode layer: a matrix is [{g.n}, {g.k}] (gate/up pair "
                                  f"{g.silu_pair}), expected [{n}, {k}] (pair {pair})")
         vectors = ((p.post_norm, h), (p.next_norm, h), (p.o_bias, h), (p.qkv_bias, self.qkv_n))
         for v, n in vectors:
-            if v is not None and (v.dtype != torch.bfloat16 or not v.is_contiguous()
+            if v is not None and (v.dtype != self.dtype or not v.is_contiguous()
                                   or v.numel() != n):
                 raise ValueError(f"fused decode layer: norms and biases must be contiguous "
-                                 f"bfloat16 [{n}]")
+                                 f"{self.dtype} [{n}]")
         return DecodeLayerWeights(
             p.o.packed.data_ptr(), _ptr(p.o_bias), p.post_norm.data_ptr(),
             p.gate_up.packed.data_ptr(), p.down.packed.data_ptr(), p.next_norm.data_ptr(),
@@ -150,10 +170,13 @@ class DecodeLayers:
     def begin_step(self, t: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor) -> None:
         """Buffers and shared values of a step of ``t`` rows (positions and slots checked by
-        the caller, as for ``FusedOps``; cos / sin: the full-width bfloat16 rotary tables)."""
-        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
-            raise TypeError("fused decode layer: the rotary tables must be bfloat16")
-        e = functools.partial(torch.empty, dtype=torch.bfloat16)
+        the caller, as for ``FusedOps``; cos / sin: the full-width rotary tables in the
+        model's dtype)."""
+        if cos.dtype != self.dtype or sin.dtype != self.dtype:
+            raise TypeError(f"fused decode layer: the rotary tables must be {self.dtype}")
+        if t < 1 or t > MAX_ROWS:
+            raise ValueError(f"fused decode layer: a step of {t} rows (1 to {MAX_ROWS})")
+        e = functools.partial(torch.empty, dtype=self.dtype)
         x, n, y, qkv, q = (e(t, self.hidden), e(t, self.hidden), e(t, self.inter),
                            e(t, self.qkv_n), e(t, self.nh, self.d))
         self._step_tensors = (cos, sin, positions, slots, x, n, y, qkv, q)
@@ -225,13 +248,13 @@ class LayerParts:
     """The tensors of one layer pair that ``DecodeLayers`` reads: layer i's o projection,
     post-attention norm and MLP; layer i + 1's input norm and qkv projection."""
 
-    o: GemvWeight
+    o: GemvWeight | GemmF32Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: GemvWeight  # a gate/up pair (``GemvWeight(gate, up)``)
-    down: GemvWeight
+    gate_up: GemvWeight | GemmF32Weight  # a gate/up pair (``GemvWeight(gate, up)``)
+    down: GemvWeight | GemmF32Weight
     next_norm: torch.Tensor
-    qkv: GemvWeight
+    qkv: GemvWeight | GemmF32Weight
     qkv_bias: torch.Tensor | None
 
 

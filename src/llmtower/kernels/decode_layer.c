@@ -1,0 +1,149 @@
+/* One decoder layer's work between two attentions, for a decode step, in one call and one
+ * OpenMP parallel region (bfloat16 or float32, the step's `bf16` flag):
+ *
+ *   x  = attn_out @ Wo.T (+ o_bias)
+ *   h += x;  n = post_norm * rmsnorm(h)                (fused_rows.h, as fused_ops.c)
+ *   y  = silu(n @ Wg.T) * (n @ Wu.T)                   (the interleaved gate/up weights)
+ *   x  = y @ Wd.T
+ *   h += x;  n = next_norm * rmsnorm(h)                (the next layer's input norm)
+ *   qkv = n @ Wqkv.T (+ qkv_bias)                      (the next layer's fused projection)
+ *   RoPE of q and k; k and v written to their KV slots; q to q_out.
+ *
+ * The products: bfloat16, the few-row tiles of gemv_bf16 (gemv_bf16_tiles.h, steps of a few
+ * rows); float32, the panels of gemm_f32 (gemm_f32_panels.h, up to a few hundred rows).
+ * Separately, each of these seven operations is a Python dispatch, an output allocation, a
+ * ctypes call and an OpenMP fork/join; a decode step makes ~250 of them. Here each product
+ * shares its work out to the region's threads (a barrier after each), and the row-wise steps
+ * share the rows. Each step is computed by the same code as the separate kernels, and a row's
+ * values depend neither on the other rows nor on the thread count, so the results are bit for
+ * bit those of the unfused path.
+ */
+#include <stdint.h>
+#include "bf16.h"
+#include "fused_rows.h"
+#include "gemv_bf16_tiles.h"
+#include "gemm_f32_panels.h"
+
+/* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype). */
+typedef struct {
+    const void *o, *o_bias, *post_norm, *gate_up, *down, *next_norm, *qkv, *qkv_bias;
+} DecodeLayerWeights;
+
+/* What every layer of one step shares: shapes, dtype, rotary tables, indices and work
+ * buffers. */
+typedef struct {
+    int64_t t, hidden, inter, nh, nkv, d;
+    float eps;
+    int num_threads;
+    int bf16;
+    const void *cos, *sin;
+    const int64_t *positions, *slots;
+    void *x, *n, *y, *qkv, *q_out; /* [t, hidden] x 2, [t, inter], [t, qkv], [t, nh * d] */
+} DecodeStep;
+
+/* Whether the products of a dtype have their fast code here (bf16: AVX512_BF16; float32:
+ * AVX-512F); Python uses the fused layer only where they do. */
+int decode_layer_fast(int bf16) { return bf16 ? HAVE_FAST : F32_FAST; }
+
+/* out = x @ W.T (+ bias), or silu(gate) * up (`silu`): the region's threads share the work,
+ * and all of them have finished when it returns. bfloat16 steps of more rows than the few-row
+ * tiles serve (9..256) would take their own kernel here; Python does not send them yet. */
+static inline __attribute__((always_inline)) void product(
+        const void *x, int64_t m, int64_t ldx, const void *w, int64_t n, int64_t k,
+        const void *bias, void *out, int64_t ldo, int silu, const int BF16) {
+    if (BF16) {
+        if (silu) silu_mul_tiles(x, m, ldx, w, n, k, out, ldo, HAVE_FAST);
+        else gemv_tiles(x, m, ldx, w, n, k, bias, out, ldo, HAVE_FAST);
+    } else {
+        f32_product_shared(x, m, ldx, w, n, k, bias, out, ldo, silu, F32_FAST ? 0 : 1);
+    }
+}
+
+/* The layer's phases, run by every thread of the region (BF16 a constant in each caller). */
+static inline __attribute__((always_inline)) void layer_body(
+        const DecodeLayerWeights *w, const DecodeStep *s, void *h, const void *attn_out,
+        int64_t attn_stride, void *k_cache, void *v_cache, const int BF16) {
+    const int64_t t = s->t, hid = s->hidden, qd = s->nh * s->d;
+    const int64_t qkv_n = (s->nh + 2 * s->nkv) * s->d;
+    product(attn_out, t, attn_stride, w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t; r++)
+        add_rms_norm_row(h, s->x, w->post_norm, s->n, r, hid, s->eps, BF16);
+    product(s->n, t, hid, w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16);
+    product(s->y, t, s->inter, w->down, hid, s->inter, NULL, s->x, hid, 0, BF16);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t; r++)
+        add_rms_norm_row(h, s->x, w->next_norm, s->n, r, hid, s->eps, BF16);
+    product(s->n, t, hid, w->qkv, qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t; r++)
+        rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
+                    s->slots, k_cache, v_cache, s->q_out, NULL, BF16);
+}
+
+/* One function per dtype, so that the row code is compiled for it. */
+static void layer_bf16(const DecodeLayerWeights *w, const DecodeStep *s, void *h,
+                       const void *attn_out, int64_t attn_stride, void *k_cache, void *v_cache) {
+    layer_body(w, s, h, attn_out, attn_stride, k_cache, v_cache, 1);
+}
+
+static void layer_f32(const DecodeLayerWeights *w, const DecodeStep *s, void *h,
+                      const void *attn_out, int64_t attn_stride, void *k_cache, void *v_cache) {
+    layer_body(w, s, h, attn_out, attn_stride, k_cache, v_cache, 0);
+}
+
+/* h [t, hidden] is the residual stream (updated in place); attn_out [t, nh * d] rows
+ * attn_stride apart; k_cache / v_cache the next layer's caches. Returns 0, or 1 for bad
+ * sizes. */
+int decode_layer(const DecodeLayerWeights *w, const DecodeStep *s, void *h, const void *attn_out,
+                 int64_t attn_stride, void *k_cache, void *v_cache) {
+    if (s->t <= 0 || s->hidden <= 0 || s->inter <= 0 || s->d <= 0 || s->d % 2
+            || attn_stride < s->nh * s->d)
+        return 1;
+#pragma omp parallel num_threads(s->num_threads) if (s->num_threads > 1)
+    {
+        if (s->bf16) layer_bf16(w, s, h, attn_out, attn_stride, k_cache, v_cache);
+        else layer_f32(w, s, h, attn_out, attn_stride, k_cache, v_cache);
+    }
+    return 0;
+}
+
+/* kernels/paged_attention.c's paged_decode (one query row per request), called by address so
+ * that a step's layers need no Python between them (decode_layer.py checks its declared
+ * signature before handing the address over). */
+typedef int (*PagedDecodeFn)(const void *q, int64_t q_stride, const void *k_cache,
+                             const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                             const int64_t *context_lens, void *out, int64_t num_reqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, float scale, int dtype, int num_threads);
+
+/* One step's decode attention: the kernel, the requests' tables and lengths (checked once per
+ * step by the Python caller), and the output buffer [t, nh * d]. */
+typedef struct {
+    PagedDecodeFn fn;
+    const int64_t *block_tables;
+    int64_t bt_stride;
+    const int64_t *context_lens;
+    int64_t block_size;
+    float scale;
+    void *out;
+} DecodeAttention;
+
+/* Layers first .. first + count - 1 (count >= 0), each: its attention over q in s->q_out and
+ * its caches, then decode_layer through the next layer's qkv (w: the model's array of layer
+ * pairs). Returns 0, paged_decode's nonzero code, or 1 for bad sizes. */
+int decode_layers(const DecodeLayerWeights *w, const DecodeStep *s, const DecodeAttention *a,
+                  void *h, void *const *k_caches, void *const *v_caches, int64_t first,
+                  int64_t count) {
+    const int64_t qd = s->nh * s->d;
+    for (int64_t i = first; i < first + count; i++) {
+        /* paged_decode's dtype codes: 0 float32, 1 bfloat16 */
+        int rc = a->fn(s->q_out, qd, k_caches[i], v_caches[i], a->block_tables, a->bt_stride,
+                       a->context_lens, a->out, s->t, s->nh, s->nkv, s->d, a->block_size,
+                       a->scale, s->bf16 ? 1 : 0, s->num_threads);
+        if (rc) return rc;
+        rc = decode_layer(&w[i], s, h, a->out, qd, k_caches[i + 1], v_caches[i + 1]);
+        if (rc) return rc;
+    }
+    return 0;
+}
