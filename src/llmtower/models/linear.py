@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_error, gemm_bf16_silu_mul
 from llmtower.kernels.gemm_f32 import GemmF32Weight, gemm_f32_error
 from llmtower.kernels.gemv_bf16 import GemvWeight, gemv_bf16_error
 
@@ -62,6 +63,11 @@ GEMV_MAX_ROWS = 8
 # 128, ~1.05x at 256; from ~512 rows (prefill chunks, weights in cache) oneDNN is level or ahead
 # (docs/performance.md). 0 turns the kernel off.
 F32_KERNEL_MAX_ROWS = 256
+# Products of more than GEMV_MAX_ROWS and at most this many rows by a bfloat16 PackedWeight take
+# kernels/gemm_bf16.c, which reads the few-row kernel's copy (no third one) and sums as it does:
+# a row's result is the same at any row count up to here. 0 turns the kernel off
+# (benchmarks/gemm_bf16.py compares the two in one process).
+BF16_KERNEL_MAX_ROWS = 256
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,21 +94,28 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
         return None
     pack = _onednn_pack(op)
     pack_both = _with_gemv(pack)
+    bf16_ok = gemm_bf16_error() is None
 
     def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if type(weight) is PackedWeight:
-            if x.shape[0] <= (F32_KERNEL_MAX_ROWS if weight.f32 else GEMV_MAX_ROWS):
+            m = x.shape[0]
+            if m <= (F32_KERNEL_MAX_ROWS if weight.f32 else GEMV_MAX_ROWS):
                 return weight.gemv(x, bias)
+            if m <= BF16_KERNEL_MAX_ROWS and bf16_ok and isinstance(weight.gemv, GemvWeight):
+                return gemm_bf16(weight.gemv, x, bias)
             weight = weight.onednn
         return op(x, weight, bias, "none", [], "")
 
     def silu_mul(x: torch.Tensor, gate: torch.Tensor | PackedWeight,
                  up: torch.Tensor | PackedWeight) -> torch.Tensor:
         if type(gate) is PackedWeight:
-            if x.shape[0] <= (F32_KERNEL_MAX_ROWS if gate.f32 else GEMV_MAX_ROWS) \
-                    and gate.gemv.silu_pair:  # from prepack_gate_up
-                return gate.gemv.silu_mul(x)
+            m = x.shape[0]
+            if gate.gemv.silu_pair:  # from prepack_gate_up
+                if m <= (F32_KERNEL_MAX_ROWS if gate.f32 else GEMV_MAX_ROWS):
+                    return gate.gemv.silu_mul(x)
+                if m <= BF16_KERNEL_MAX_ROWS and bf16_ok and isinstance(gate.gemv, GemvWeight):
+                    return gemm_bf16_silu_mul(gate.gemv, x)
             gate = gate.onednn
         if type(up) is PackedWeight:
             up = up.onednn

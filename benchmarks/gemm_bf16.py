@@ -1,0 +1,156 @@
+"""The bfloat16 64-prompt workload with decode-step GEMMs of more than ``GEMV_MAX_ROWS`` rows on
+oneDNN or on ``kernels/gemm_bf16.c`` (``models.linear.BF16_KERNEL_MAX_ROWS``), in one process
+and one engine, the settings taking turns (a noisy neighbour hits both alike).
+
+Part 1 (``--shapes``): SmolLM2's matrices in isolation, 30 layers' copies cycled as in a decode
+step (weights from memory), ms per product for oneDNN's packed bfloat16 GEMM and the kernel.
+Part 2: the `bench throughput` workload (SmolLM2, 64 prompts of 32-256 tokens, 128 out, greedy,
+EOS ignored) per setting and round: output tok/s, and how many tokens the two settings agree on
+(the kernel sums as the few-row kernel does, oneDNN in its own order: ~1 bfloat16 value in
+40,000 differs by the last bit, which can flip a greedy token late in a sequence).
+
+    chrt -f 1 .venv/bin/python benchmarks/gemm_bf16.py --threads 2 --rounds 2 --shapes
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from llmtower.bench.throughput import input_lengths, random_prompts
+from llmtower.core.outputs import EngineCoreRequest
+from llmtower.core.sampling_params import SamplingParams
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.core import EngineCore
+from llmtower.engine.factory import create_engine_core
+from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
+from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.models import linear
+
+SETTINGS = {"oneDNN": 0, "gemm_bf16": linear.BF16_KERNEL_MAX_ROWS}
+# SmolLM2's matrices (out, in); "gate+up" is the fused SwiGLU half (silu_mul).
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate+up": (1536, 576),
+          "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-range", default="32:256")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shapes", action="store_true", help="also time the matrices in isolation")
+    p.add_argument("--shapes-only", action="store_true")
+    p.add_argument("--rows", default="16,32,64,128,144,256")
+    return p.parse_args()
+
+
+def time_shapes(rows_list: list[int], layers: int = 30) -> None:
+    op = torch.ops.mkldnn._linear_pointwise
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    print("| ms per product (30 cold copies) | rows | oneDNN | gemm_bf16 | ratio |\n"
+          "|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        count = 1 if name == "lm_head" else layers
+        ws = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(count)]
+        if name == "gate+up":
+            ups = [(torch.randn(n, k) * 0.05).bfloat16() for _ in range(count)]
+            od = [(reorder(w, 64), reorder(u, 64)) for w, u in zip(ws, ups)]
+            ours = [GemvWeight(w, u) for w, u in zip(ws, ups)]
+
+            def f_od(x: torch.Tensor, od=od) -> None:  # type: ignore[no-untyped-def]
+                for g, u in od:
+                    op.binary(x, op(x, g, None, "swish", [], ""), u, None, "mul")
+
+            def f_ours(x: torch.Tensor, ours=ours) -> None:  # type: ignore[no-untyped-def]
+                for w in ours:
+                    gemm_bf16_silu_mul(w, x)
+        else:
+            od1 = [reorder(w, 64) for w in ws]
+            ours = [GemvWeight(w) for w in ws]
+
+            def f_od(x: torch.Tensor, od1=od1) -> None:  # type: ignore[no-untyped-def,misc]
+                for w in od1:
+                    op(x, w, None, "none", [], "")
+
+            def f_ours(x: torch.Tensor, ours=ours) -> None:  # type: ignore[no-untyped-def,misc]
+                for w in ours:
+                    gemm_bf16(w, x)
+        for rows in rows_list:
+            x = torch.randn(rows, k).bfloat16()
+            best = {"od": float("inf"), "ours": float("inf")}
+            for _ in range(5):
+                for key, fn in (("od", f_od), ("ours", f_ours)):
+                    t = time.perf_counter()
+                    fn(x)
+                    best[key] = min(best[key], (time.perf_counter() - t) / count)
+            print(f"| {name} | {rows} | {best['od'] * 1e3:.3f} | {best['ours'] * 1e3:.3f} | "
+                  f"{best['od'] / best['ours']:.2f}x |", flush=True)
+
+
+def run(core: EngineCore, prompts: list[list[int]], sp: SamplingParams, tag: str
+        ) -> tuple[float, int, dict[str, list[int]]]:
+    """(seconds, output tokens, tokens per request index) of one pass over the prompts."""
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"{tag}-{i}", p, sp))
+    tokens: dict[str, list[int]] = {}
+    n = 0
+    t0 = time.perf_counter()
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            n += len(o.new_token_ids)
+            tokens.setdefault(o.request_id.rsplit("-", 1)[1], []).extend(o.new_token_ids)
+    return time.perf_counter() - t0, n, tokens
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0]
+    if args.shapes or args.shapes_only:
+        time_shapes([int(r) for r in args.rows.split(",")])
+        print(f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+        if args.shapes_only:
+            return
+    core = create_engine_core(EngineArgs(model=args.model, dtype="bfloat16",
+                                         num_threads=args.threads))
+    assert core.model_info is not None
+    rng = np.random.default_rng(0)
+    lengths = input_lengths(args.num_prompts, 0, 0.0, args.input_len_range, rng)
+    prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    run(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
+    rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    outs: dict[str, dict[str, list[int]]] = {}
+    for r in range(args.rounds):
+        for name, rows in SETTINGS.items():
+            linear.BF16_KERNEL_MAX_ROWS = rows
+            core.reset_prefix_cache()
+            secs, n, outs[name] = run(core, prompts, sp, f"{r}{name}")
+            rates[name].append(n / secs)
+            print(f"round {r} {name:>10}: {n / secs:6.1f} output tok/s ({secs:.2f} s)", flush=True)
+    load1 = os.getloadavg()[0]
+    base = statistics.median(rates["oneDNN"])
+    print(f"\nbfloat16, {args.num_prompts} prompts ({args.input_len_range} in, {args.output_len} "
+          f"out), {args.threads} threads; load average {load0:.1f} -> {load1:.1f}")
+    for name in SETTINGS:
+        rate = statistics.median(rates[name])
+        print(f"{name:>10}: {rate:6.1f} output tok/s ({rate / base:.3f}x)  rounds: "
+              + ", ".join(f"{x:.1f}" for x in rates[name]))
+    a, b = outs["oneDNN"], outs["gemm_bf16"]
+    same = sum(a[k] == b.get(k) for k in a)
+    agree = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
+    total = sum(len(v) for v in a.values())
+    print(f"gemm_bf16 vs oneDNN: requests with identical outputs {same}/{len(a)}; tokens equal "
+          f"position by position {agree}/{total}")
+
+
+if __name__ == "__main__":
+    main()
