@@ -31,7 +31,6 @@ from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.models import linear
 
-SETTINGS = {"oneDNN": 0, "gemm_bf16": linear.BF16_KERNEL_MAX_ROWS}
 # SmolLM2's matrices (out, in); "gate+up" is the fused SwiGLU half (silu_mul).
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate+up": (1536, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}
@@ -49,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", action="store_true", help="also time the matrices in isolation")
     p.add_argument("--shapes-only", action="store_true")
     p.add_argument("--rows", default="16,32,64,128,144,256")
+    p.add_argument("--limits", default=str(linear.BF16_KERNEL_MAX_ROWS),
+                   help="BF16_KERNEL_MAX_ROWS values to run beside 0 (oneDNN), comma-separated")
     return p.parse_args()
 
 
@@ -127,30 +128,33 @@ def main() -> None:
     prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     run(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
-    rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    settings = {"oneDNN": 0} | {f"gemm_bf16<={v}": int(v) for v in args.limits.split(",")}
+    rates: dict[str, list[float]] = {k: [] for k in settings}
     outs: dict[str, dict[str, list[int]]] = {}
     for r in range(args.rounds):
-        for name, rows in SETTINGS.items():
+        for name, rows in settings.items():
             linear.BF16_KERNEL_MAX_ROWS = rows
             core.reset_prefix_cache()
             secs, n, outs[name] = run(core, prompts, sp, f"{r}{name}")
             rates[name].append(n / secs)
-            print(f"round {r} {name:>10}: {n / secs:6.1f} output tok/s ({secs:.2f} s)", flush=True)
+            print(f"round {r} {name:>15}: {n / secs:6.1f} output tok/s ({secs:.2f} s)",
+                  flush=True)
     load1 = os.getloadavg()[0]
     base = statistics.median(rates["oneDNN"])
     print(f"\nbfloat16, {args.num_prompts} prompts ({args.input_len_range} in, {args.output_len} "
           f"out), {args.threads} threads; load average {load0:.1f} -> {load1:.1f}")
-    for name in SETTINGS:
+    for name in settings:
         rate = statistics.median(rates[name])
-        print(f"{name:>10}: {rate:6.1f} output tok/s ({rate / base:.3f}x)  rounds: "
+        print(f"{name:>15}: {rate:6.1f} output tok/s ({rate / base:.3f}x)  rounds: "
               + ", ".join(f"{x:.1f}" for x in rates[name]))
-    a, b = outs["oneDNN"], outs["gemm_bf16"]
-    same = sum(a[k] == b.get(k) for k in a)
-    agree = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
-    total = sum(len(v) for v in a.values())
-    print(f"gemm_bf16 vs oneDNN: requests with identical outputs {same}/{len(a)}; tokens equal "
-          f"position by position {agree}/{total}")
-
+    a = outs["oneDNN"]
+    for name in list(settings)[1:]:
+        b = outs[name]
+        same = sum(a[k] == b.get(k) for k in a)
+        agree = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
+        total = sum(len(v) for v in a.values())
+        print(f"{name} vs oneDNN: requests with identical outputs {same}/{len(a)}; tokens equal "
+              f"position by position {agree}/{total}")
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,8 @@
 
 int gemm_bf16_fast(void) { return HAVE_FAST; }
 
+void gemm_bf16_set_prefetch(int on) { gemm_bf16_prefetch = on; }
+
 /* Checks the vector expf against this libm's expf on every 127th float bit pattern of
  * [-88.7, 88.7] (and turns it on when they all agree, off otherwise); returns 1 if on. The
  * silu epilogue then computes what gemv_bf16 computes with the scalar expf, 16 lanes at once. */

@@ -161,6 +161,8 @@ static inline __m512i gemm_bf16_round(__m512 v) {
 
 /* Whether gemm_bf16_exp16 is this libm's expf (set once at load by gemm_bf16_exp_agrees). */
 static int gemm_bf16_vector_exp = 0;
+/* Whether the next tile is prefetched (benchmarks switch it off to measure what it brings). */
+static int gemm_bf16_prefetch = 1;
 
 /* The finished sums of `rows` rows (acc[r * TILE + c]) into out: gemv_bf16_tiles.h's epilogue
  * (bias added in float32, one rounding to bfloat16; silu as there, in scalar expf). */
@@ -231,7 +233,8 @@ static void gemm_bf16_share(const uint16_t *x, int64_t ldx, int64_t mc, const ui
         const uint16_t *tile = wp + t * tile_numel;
         const int ncols = (int)(n - t * cols < cols ? n - t * cols : cols);
         const int64_t nb = (rows_t + GEMM_BF16_MR - 1) / GEMM_BF16_MR;
-        const char *next = t < t_last ? (const char *)(tile + tile_numel) : NULL;
+        const char *next = gemm_bf16_prefetch && t < t_last ? (const char *)(tile + tile_numel)
+                                                              : NULL;
         /* the next tile's lines, spread over this tile's blocks: per block `per`, per pair q */
         const int64_t per = (lines + nb - 1) / nb;
         int q = (int)((per + pairs - 1) / pairs);
