@@ -1,14 +1,19 @@
-"""One stream on the default model in bfloat16 with the fused decode layer
-(``kernels/decode_layer_bf16.c``) off, per layer, and whole (layers 1..L-2 in one C call,
-attention included), in one process and one engine: the settings take turns, so a noisy
-neighbour hits all alike.
+"""The fused decode layer (``kernels/decode_layer.c``) off, per layer, and whole (layers 1..L-2
+in one C call, attention included), in one process and one engine: the settings take turns, so
+a noisy neighbour hits all alike.
 
-The workload is the anchors harness's one-stream recipe (``LLM.generate`` of one 144-token
-prompt of random ids, 128 output tokens, greedy, min_tokens = max_tokens, EOS ignored), timed
-end to end per run. Prints output tok/s per setting and run, and whether the three produced
+Workloads:
+  one-stream  the anchors harness's one-stream recipe (one 144-token prompt of random ids, 128
+              output tokens, greedy, min_tokens = max_tokens, EOS ignored), ``LLM.generate``
+              timed end to end per run;
+  throughput  ``llmtower bench throughput``'s default (64 prompts of 32-256 random tokens, 128
+              output tokens, greedy, EOS ignored), the engine stepped until all are done.
+
+Prints output tok/s per setting and run, the load average, and whether the settings produced
 the same tokens (they must: the fused paths compute bit for bit what the separate kernels do).
 
-    chrt -f 1 .venv/bin/python benchmarks/decode_layer_bf16.py --rounds 4
+    chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype float32 --workload throughput
+    chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype bfloat16 --rounds 4
 """
 from __future__ import annotations
 
@@ -19,8 +24,12 @@ import statistics
 import time
 
 import numpy as np
+import torch
 
 from llmtower import LLM, SamplingParams
+from llmtower.bench.throughput import input_lengths, random_prompts, run_engine
+from llmtower.engine.args import EngineArgs
+from llmtower.engine.factory import create_engine_core
 from llmtower.kernels import decode_layer as DL
 from llmtower.models.default_model import default_model_dir
 
@@ -32,17 +41,19 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a Hugging Face folder; default: SmolLM2")
-    p.add_argument("--input-len", type=int, default=144)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--workload", default="one-stream", choices=["one-stream", "throughput"])
+    p.add_argument("--input-len", type=int, default=144, help="one-stream prompt length")
+    p.add_argument("--num-prompts", type=int, default=64, help="throughput prompts")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
     return p.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    model = args.model or str(default_model_dir())
-    llm = LLM(model=model, dtype="bfloat16", num_threads=args.threads, max_model_len=2048,
+def one_stream(args: argparse.Namespace, model: str):  # type: ignore[no-untyped-def]
+    """A function running the workload once: (output tokens, their ids)."""
+    llm = LLM(model=model, dtype=args.dtype, num_threads=args.threads, max_model_len=2048,
               kv_cache_memory="1GiB", seed=0, enable_prefix_caching=False)
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -53,6 +64,48 @@ def main() -> None:
                         min_tokens=args.output_len, ignore_eos=True, seed=0)
     llm.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
+
+    def run() -> tuple[int, list[int]]:
+        out = llm.generate([prompt], sp, use_tqdm=False)
+        ids = list(out[0].outputs[0].token_ids)
+        return len(ids), ids
+    return run
+
+
+def throughput(args: argparse.Namespace, model: str):  # type: ignore[no-untyped-def]
+    torch.set_num_threads(args.threads)
+    core = create_engine_core(EngineArgs(model=model, dtype=args.dtype,  # type: ignore[arg-type]
+                                         num_threads=args.threads))
+    assert core.model_info is not None
+    rng = np.random.default_rng(0)
+    lengths = input_lengths(args.num_prompts, 0, 0.0, "32:256", rng)
+    prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    run_engine(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
+    ids: list[int] = []
+    real_step = core.step
+
+    def step():  # type: ignore[no-untyped-def]
+        out = real_step()
+        for o in out.outputs:
+            ids.extend(o.new_token_ids)
+        return out
+    core.step = step  # type: ignore[method-assign]
+    count = [0]
+
+    def run() -> tuple[int, list[int]]:
+        core.reset_prefix_cache()
+        ids.clear()
+        count[0] += 1
+        _, n = run_engine(core, prompts, sp, f"run{count[0]}")
+        return n, sorted(ids)
+    return run
+
+
+def main() -> None:
+    args = parse_args()
+    model = args.model or str(default_model_dir())
+    run = (one_stream if args.workload == "one-stream" else throughput)(args, model)
     rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
     tokens: dict[str, list[int]] = {}
     load0 = os.getloadavg()[0]
@@ -60,12 +113,10 @@ def main() -> None:
         for name, (rows, whole) in SETTINGS.items():
             DL.MAX_ROWS, DL.WHOLE_LAYERS = rows, whole
             t = time.perf_counter()
-            out = llm.generate([prompt], sp, use_tqdm=False)
-            rates[name].append(args.output_len / (time.perf_counter() - t))
-            tokens[name] = list(out[0].outputs[0].token_ids)
-    print(f"bfloat16, one stream, {args.input_len} in / {args.output_len} out end to end, "
-          f"{args.threads} threads, {args.rounds} rounds; load average {load0:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}")
+            n, tokens[name] = run()
+            rates[name].append(n / (time.perf_counter() - t))
+    print(f"{args.dtype}, {args.workload}, {args.threads} threads, {args.rounds} rounds; "
+          f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     base = statistics.median(rates["off"])
     for name, r in rates.items():
         med = statistics.median(r)

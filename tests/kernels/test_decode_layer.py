@@ -11,6 +11,7 @@ import torch
 
 from llmtower.kernels import decode_layer as DL
 from llmtower.kernels.decode_layer import DecodeLayers, LayerParts, decode_layer_error
+from llmtower.kernels.gemm_bf16 import gemm_bf16_error
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.models import linear as linear_mod
@@ -78,13 +79,17 @@ def _run(model_dir: Path, prompts: list[list[int]], threads: int, monkeypatch,
 
 @needs_bf16
 @pytest.mark.parametrize("n, threads, whole", [(1, 1, True), (1, 2, False), (3, 2, True),
-                                              (3, 1, False), (9, 2, True)])
+                                              (3, 1, False), (9, 2, True), (64, 2, True),
+                                              (200, 1, False), (300, 2, True)])
 def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads,
                                                        whole):
     """``whole``: layers 1 .. L-2 run whole in C (attention included), else one fused call
-    per layer after a Python attention."""
-    prompts = random_prompts(n, 3, 40, seed=n)
-    max_rows = linear_mod.GEMV_MAX_ROWS
+    per layer after a Python attention. Steps of up to 8 rows take the few-row tiles, larger
+    ones gemm_bf16's (where it runs; else they keep oneDNN and the separate calls), and steps
+    of more than 256 rows the separate calls."""
+    prompts = random_prompts(n, 3, 20, seed=n)
+    max_rows = linear_mod.GEMV_MAX_ROWS if gemm_bf16_error() is not None \
+        else linear_mod.BF16_KERNEL_MAX_ROWS
     monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
     spans: list[tuple[int, int]] = []
     real_span = DecodeLayers.attend_and_layers
@@ -94,12 +99,13 @@ def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatc
         return real_span(self, first, count, *args)
 
     monkeypatch.setattr(DecodeLayers, "attend_and_layers", record_span)
-    tokens, logits, fused_rows = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
+    kw = dict(num_gpu_blocks=4096, max_num_batched_tokens=8192, max_num_seqs=512)  # 1 prefill
+    tokens, logits, fused_rows = _run(odd_qwen2_dir, prompts, threads, monkeypatch, **kw)
     monkeypatch.setattr(DL, "MAX_ROWS", 0)  # off: the separate kernels of every op
-    tokens_off, logits_off, fused_off = _run(odd_qwen2_dir, prompts, threads, monkeypatch)
+    tokens_off, logits_off, fused_off = _run(odd_qwen2_dir, prompts, threads, monkeypatch, **kw)
     assert fused_off == []
-    # Every decode step of <= 8 rows took it (11 after the prefill: 12 tokens each); prefills
-    # (fresh keys wanted) and steps of 9 rows did not.
+    # Every decode step of up to max_rows rows took it (11 after the prefill: 12 tokens
+    # each); prefills and larger steps did not.
     assert fused_rows == ([] if n > max_rows else [n] * 11)
     # Four layers: layer 0 and 3 from Python, 1 and 2 whole in C.
     assert spans == ([(1, 2)] * 11 if whole and n <= max_rows else [])
@@ -201,7 +207,7 @@ def test_float32_logits_equal_the_separate_kernels_bit_for_bit(request, monkeypa
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts(n, 3, 30, seed=n)
     monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
-    kw = dict(dtype="float32", num_gpu_blocks=2048, max_num_batched_tokens=8192)  # one prefill
+    kw = dict(dtype="float32", num_gpu_blocks=2048, max_num_batched_tokens=8192)  # 1 prefill
     tokens, logits, fused_rows = _run(model_dir, prompts, threads, monkeypatch, **kw)
     monkeypatch.setattr(DL, "MAX_ROWS", 0)
     tokens_off, logits_off, fused_off = _run(model_dir, prompts, threads, monkeypatch, **kw)

@@ -9,8 +9,9 @@
  *   qkv = n @ Wqkv.T (+ qkv_bias)                      (the next layer's fused projection)
  *   RoPE of q and k; k and v written to their KV slots; q to q_out.
  *
- * The products: bfloat16, the few-row tiles of gemv_bf16 (gemv_bf16_tiles.h, steps of a few
- * rows); float32, the panels of gemm_f32 (gemm_f32_panels.h, up to a few hundred rows).
+ * The products: bfloat16, the tiles of gemv_bf16 (gemv_bf16_tiles.h, a few rows) or of
+ * gemm_bf16 (gemm_bf16_tiles.h, more rows; the same packed weights and the same sums); float32,
+ * the panels of gemm_f32 (gemm_f32_panels.h, up to a few hundred rows).
  * Separately, each of these seven operations is a Python dispatch, an output allocation, a
  * ctypes call and an OpenMP fork/join; a decode step makes ~250 of them. Here each product
  * shares its work out to the region's threads (a barrier after each), and the row-wise steps
@@ -22,7 +23,12 @@
 #include "bf16.h"
 #include "fused_rows.h"
 #include "gemv_bf16_tiles.h"
+#include "gemm_bf16_tiles.h"
 #include "gemm_f32_panels.h"
+
+/* bfloat16 products of at most this many rows take the few-row tiles, larger ones gemm_bf16's
+ * (both sum alike: the choice changes the speed only). */
+#define FEW_ROWS 8
 
 /* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype). */
 typedef struct {
@@ -45,13 +51,18 @@ typedef struct {
  * AVX-512F); Python uses the fused layer only where they do. */
 int decode_layer_fast(int bf16) { return bf16 ? HAVE_FAST : F32_FAST; }
 
+/* gemm_bf16's silu epilogue: on (1) where its vector expf is this libm's expf to the bit, as
+ * gemm_bf16.c's gemm_bf16_exp_agrees found (Python passes its answer on); off: scalar expf. */
+void decode_layer_vector_exp(int on) { gemm_bf16_vector_exp = on; }
+
 /* out = x @ W.T (+ bias), or silu(gate) * up (`silu`): the region's threads share the work,
- * and all of them have finished when it returns. bfloat16 steps of more rows than the few-row
- * tiles serve (9..256) would take their own kernel here; Python does not send them yet. */
+ * and all of them have finished when it returns. */
 static inline __attribute__((always_inline)) void product(
         const void *x, int64_t m, int64_t ldx, const void *w, int64_t n, int64_t k,
         const void *bias, void *out, int64_t ldo, int silu, const int BF16) {
-    if (BF16) {
+    if (BF16 && m > FEW_ROWS) {
+        gemm_bf16_tiles(x, m, ldx, w, n, k, bias, out, ldo, silu, HAVE_FAST);
+    } else if (BF16) {
         if (silu) silu_mul_tiles(x, m, ldx, w, n, k, out, ldo, HAVE_FAST);
         else gemv_tiles(x, m, ldx, w, n, k, bias, out, ldo, HAVE_FAST);
     } else {

@@ -4,9 +4,10 @@ attentions (o projection, residual + norm, MLP, residual + next norm, next qkv, 
 write) in one call per layer, or whole layers attention included (``attend_and_layers``).
 
 Used by ``models/llama.py`` for decode steps whose products take a decode-step kernel: in
-bfloat16 the few-row kernel (``gemv_bf16``, up to ``models/linear.py`` GEMV_MAX_ROWS rows), in
-float32 the panel kernel (``gemm_f32``, up to F32_KERNEL_MAX_ROWS); their ``PackedWeight``
-copies are what the C code reads. The results are bit for bit those of the separate kernels
+bfloat16 the few-row kernel (``gemv_bf16``, up to ``models/linear.py`` GEMV_MAX_ROWS rows) or
+``gemm_bf16`` (same packed copy, same sums: up to BF16_KERNEL_MAX_ROWS), in float32 the panel
+kernel (``gemm_f32``, up to F32_KERNEL_MAX_ROWS); their ``PackedWeight`` copies are what the C
+code reads. The results are bit for bit those of the separate kernels
 (same code, same order): only the Python and the thread fork/joins between them go. The calls
 do no checking beyond what ``begin_step`` validates once per step.
 """
@@ -90,7 +91,21 @@ def _lib() -> ctypes.CDLL:
     lib.decode_layer.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
+    lib.decode_layer_vector_exp.argtypes = [ctypes.c_int]
+    lib.decode_layer_vector_exp.restype = None
     return lib
+
+
+@functools.cache
+def _bf16_vector_exp() -> None:
+    """Turns on gemm_bf16's vector expf in this library too where gemm_bf16 found it to be this
+    libm's expf to the bit (same header, same flags); else the silu epilogue keeps expf."""
+    try:
+        from llmtower.kernels import gemm_bf16
+        on = gemm_bf16._lib().gemm_bf16_exp_agrees()
+    except KernelUnavailable:
+        on = 0
+    _lib().decode_layer_vector_exp(on)
 
 
 def decode_layer_error(dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -123,6 +138,8 @@ class DecodeLayers:
         self._fn = lib.decode_layer
         self.dtype = dtype
         self._kernel = GemvWeight if dtype == torch.bfloat16 else GemmF32Weight
+        if dtype == torch.bfloat16:
+            _bf16_vector_exp()
         self.hidden, self.inter = hidden, intermediate
         self.nh, self.nkv, self.d = num_heads, num_kv_heads, head_dim
         self.qkv_n = (num_heads + 2 * num_kv_heads) * head_dim

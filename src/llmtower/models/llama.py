@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
+from llmtower.kernels.gemm_bf16 import gemm_bf16_error
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels import decode_layer as decode_layer_mod
@@ -129,8 +130,8 @@ class LlamaForCausalLM:
         self.fused: FusedOps | None = None
         if dtype in (torch.float32, torch.bfloat16) and fused_ops_error() is None:
             self.fused = FusedOps(dtype)
-        # Decode steps whose products take a decode-step kernel (bfloat16: a few rows; float32:
-        # up to a few hundred): everything between two attentions in one C call per layer
+        # Decode steps whose products take a decode-step kernel (up to a few hundred rows):
+        # everything between two attentions in one C call per layer
         # (kernels/decode_layer.c), where every matrix has that kernel's copy.
         self.decode_layers = self._decode_layers() if self.fused is not None else None
 
@@ -153,6 +154,16 @@ class LlamaForCausalLM:
         c = self.config
         return DecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
                             self.num_kv_heads, self.head_dim, self.eps, self.dtype)
+
+    def _kernel_rows(self) -> int:
+        """Most rows for which every product of a step takes a decode-step kernel
+        (``models/linear.py``'s dispatch), whose sums the fused decode layer repeats: float32
+        gemm_f32; bfloat16 the few-row kernel, and above it gemm_bf16 (the same sums)."""
+        if self.dtype != torch.bfloat16:
+            return linear_mod.F32_KERNEL_MAX_ROWS
+        if gemm_bf16_error() is not None:
+            return linear_mod.GEMV_MAX_ROWS
+        return max(linear_mod.GEMV_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS)
 
     def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
         c = self.config
@@ -240,10 +251,8 @@ class LlamaForCausalLM:
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
         # (bit for bit the calls below).
         dl = self.decode_layers
-        kernel_rows = linear_mod.GEMV_MAX_ROWS if self.dtype == torch.bfloat16 \
-            else linear_mod.F32_KERNEL_MAX_ROWS
         if dl is not None and not meta.prefills \
-                and t <= min(decode_layer_mod.MAX_ROWS, kernel_rows):
+                and t <= min(decode_layer_mod.MAX_ROWS, self._kernel_rows()):
             dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
         else:
             dl = None
