@@ -56,17 +56,20 @@ int decode_layer_fast(int bf16) { return bf16 ? HAVE_FAST : F32_FAST; }
 void decode_layer_vector_exp(int on) { gemm_bf16_vector_exp = on; }
 
 /* out = x @ W.T (+ bias), or silu(gate) * up (`silu`): the region's threads share the work,
- * and all of them have finished when it returns. */
+ * and all of them have finished when it returns. float32: `after` [an, ak] (`asilu`) is the
+ * next product's weights, whose first panels are prefetched (NULL: none). */
 static inline __attribute__((always_inline)) void product(
         const void *x, int64_t m, int64_t ldx, const void *w, int64_t n, int64_t k,
-        const void *bias, void *out, int64_t ldo, int silu, const int BF16) {
+        const void *bias, void *out, int64_t ldo, int silu, const int BF16, const void *after,
+        int64_t an, int64_t ak, int asilu) {
     if (BF16 && m > FEW_ROWS) {
         gemm_bf16_tiles(x, m, ldx, w, n, k, bias, out, ldo, silu, HAVE_FAST);
     } else if (BF16) {
         if (silu) silu_mul_tiles(x, m, ldx, w, n, k, out, ldo, HAVE_FAST);
         else gemv_tiles(x, m, ldx, w, n, k, bias, out, ldo, HAVE_FAST);
     } else {
-        f32_product_shared(x, m, ldx, w, n, k, bias, out, ldo, silu, F32_FAST ? 0 : 1);
+        f32_product_shared(x, m, ldx, w, n, k, bias, out, ldo, silu, F32_FAST ? 0 : 1, after,
+                           an, ak, asilu);
     }
 }
 
@@ -76,16 +79,20 @@ static inline __attribute__((always_inline)) void layer_body(
         int64_t attn_stride, void *k_cache, void *v_cache, const int BF16) {
     const int64_t t = s->t, hid = s->hidden, qd = s->nh * s->d;
     const int64_t qkv_n = (s->nh + 2 * s->nkv) * s->d;
-    product(attn_out, t, attn_stride, w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16);
+    product(attn_out, t, attn_stride, w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16,
+            w->gate_up, s->inter, hid, 1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->post_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16);
-    product(s->y, t, s->inter, w->down, hid, s->inter, NULL, s->x, hid, 0, BF16);
+    product(s->n, t, hid, w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16,
+            w->down, hid, s->inter, 0);
+    product(s->y, t, s->inter, w->down, hid, s->inter, NULL, s->x, hid, 0, BF16,
+            w->qkv, qkv_n, hid, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->next_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->qkv, qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16);
+    product(s->n, t, hid, w->qkv, qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16,
+            NULL, 0, 0, 0); /* the attention's KV reads come between it and the next o */
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,

@@ -52,11 +52,11 @@ static int gemm_any(const float *x, int64_t m, int64_t ldx, const float *packed,
                     int silu, int path) {
     if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
     if (m == 0) return 0;
-    const int64_t panels = (n + (silu ? F32_HALF : F32_NP) - 1) / (silu ? F32_HALF : F32_NP);
+    const int64_t panels = f32_panels(n, silu);
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > panels) nt = (int)panels;
 #pragma omp parallel num_threads(nt)
-    f32_product_shared(x, m, ldx, packed, n, k, bias, out, ldo, silu, path);
+    f32_product_shared(x, m, ldx, packed, n, k, bias, out, ldo, silu, path, NULL, 0, 0, 0);
     return 0;
 }
 

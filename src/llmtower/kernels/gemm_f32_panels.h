@@ -114,10 +114,13 @@ static void f32_tile_dispatch(const float *xr, int64_t ldx, int rows, const floa
 }
 #endif
 
-/* One thread's share: panels p0..p1 over rows 0..m. */
+/* One thread's share: panels p0..p1 over rows 0..m. While its last panel is computed (in the
+ * last row chunk), `after_lines` lines at `after` are prefetched: the thread's first panel of
+ * the product that follows (NULL: none). */
 static void f32_run_panels(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t n,
-                       int64_t k, const float *bias, float *out, int64_t ldo, int64_t p0,
-                       int64_t p1, int silu, int path) {
+                           int64_t k, const float *bias, float *out, int64_t ldo, int64_t p0,
+                           int64_t p1, int silu, int path, const char *after,
+                           int64_t after_lines) {
     const int64_t cols = silu ? F32_HALF : F32_NP;
     const int64_t lines = k * F32_NP * (int64_t)sizeof(float) / 64; /* a panel's cache lines */
     float acc[F32_MR * F32_NP] __attribute__((aligned(64)));
@@ -128,45 +131,76 @@ static void f32_run_panels(const float *x, int64_t m, int64_t ldx, const float *
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
         const int64_t mc = m - c0 < chunk ? m - c0 : chunk;
         const int64_t nb = (mc + F32_MR - 1) / F32_MR; /* near-equal blocks of at most F32_MR rows */
-        const int64_t per = (lines + nb - 1) / nb; /* next-panel lines prefetched per block */
         for (int64_t p = p0; p < p1; p++) {
             const float *pw = packed + p * k * F32_NP;
             const char *next = p + 1 < p1 ? (const char *)(pw + k * F32_NP) : NULL;
+            int64_t next_lines = lines;
+            if (!next && c0 + mc >= m) next = after, next_lines = after_lines;
+            const int64_t per = (next_lines + nb - 1) / nb; /* lines prefetched per block */
             const int ncols = (int)(n - p * cols < cols ? n - p * cols : cols);
             int64_t r0 = 0;
             for (int64_t b = 0; b < nb; b++) {
                 const int rows = (int)(mc / nb + (b < mc % nb));
                 const float *xr = x + (c0 + r0) * ldx;
                 int64_t first = b * per, count = 0;
-                if (next && first < lines) count = lines - first < per ? lines - first : per;
+                if (next && first < next_lines)
+                    count = next_lines - first < per ? next_lines - first : per;
                 if (count > k) count = k;
 #if F32_FAST
                 if (path == 0) f32_tile_dispatch(xr, ldx, rows, pw, k, acc,
-                                             next ? next + first * 64 : NULL, count);
+                                                 next ? next + first * 64 : NULL, count);
                 else
 #endif
                     f32_tile_portable(xr, ldx, rows, pw, k, acc);
                 f32_store_tile(acc, rows, out + (c0 + r0) * ldo + p * cols, ldo, ncols,
-                           bias ? bias + p * cols : NULL, silu, path);
+                               bias ? bias + p * cols : NULL, silu, path);
                 r0 += rows;
             }
         }
     }
 }
 
+/* A product's panels as the threads of a team share them. */
+static inline int64_t f32_panels(int64_t n, int silu) {
+    return (n + (silu ? F32_HALF : F32_NP) - 1) / (silu ? F32_HALF : F32_NP);
+}
+
+static inline int64_t f32_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int64_t f32_team(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 /* out = x @ W.T (+ bias), or silu(gate) * up for a silu pair: this thread's share of the
- * panels, then a barrier (the next phase reads every thread's columns). */
+ * panels, then a barrier (the next phase reads every thread's columns). `after` (or NULL): the
+ * packed weights of the product this thread runs next, [after_n, after_k] (`after_silu`), whose
+ * first panel of this thread's share is prefetched while the last one here is computed. */
 static void f32_product_shared(const float *x, int64_t m, int64_t ldx, const float *packed,
                                int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
-                               int silu, int path) {
-    const int64_t panels = (n + (silu ? F32_HALF : F32_NP) - 1) / (silu ? F32_HALF : F32_NP);
-#ifdef _OPENMP
-    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-    const int64_t t = 0, team = 1;
-#endif
+                               int silu, int path, const float *after, int64_t after_n,
+                               int64_t after_k, int after_silu) {
+    const int64_t t = f32_thread(), team = f32_team(), panels = f32_panels(n, silu);
+    const char *pf = NULL;
+    int64_t pf_lines = 0;
+    if (after) {
+        const int64_t a0 = f32_panels(after_n, after_silu) * t / team;
+        if (a0 < f32_panels(after_n, after_silu) * (t + 1) / team) {
+            pf = (const char *)(after + a0 * after_k * F32_NP);
+            pf_lines = after_k * F32_NP * (int64_t)sizeof(float) / 64;
+        }
+    }
     f32_run_panels(x, m, ldx, packed, n, k, bias, out, ldo, panels * t / team,
-                   panels * (t + 1) / team, silu, path);
+                   panels * (t + 1) / team, silu, path, pf, pf_lines);
 #pragma omp barrier
 }
 
