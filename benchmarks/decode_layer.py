@@ -7,13 +7,18 @@ Workloads:
               output tokens, greedy, min_tokens = max_tokens, EOS ignored), ``LLM.generate``
               timed end to end per run;
   throughput  ``llmtower bench throughput``'s default (64 prompts of 32-256 random tokens, 128
-              output tokens, greedy, EOS ignored), the engine stepped until all are done.
+              output tokens, greedy, EOS ignored), the engine stepped until all are done;
+  layers      no engine: 30 layers of SmolLM2's shapes (random weights) after their attention,
+              ``--rows`` rows, one fused call per layer against the separate calls the model
+              makes (products, add + norm, RoPE + KV write), ms per 30 layers.
 
-Prints output tok/s per setting and run, the load average, and whether the settings produced
-the same tokens (they must: the fused paths compute bit for bit what the separate kernels do).
+Prints output tok/s per setting and run (layers: ms), the load average, and whether the
+settings produced the same tokens (they must: the fused paths compute bit for bit what the
+separate kernels do).
 
     chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype float32 --workload throughput
     chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype bfloat16 --rounds 4
+    chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype float32 --workload layers --rows 64
 """
 from __future__ import annotations
 
@@ -42,7 +47,9 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a Hugging Face folder; default: SmolLM2")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--workload", default="one-stream", choices=["one-stream", "throughput"])
+    p.add_argument("--workload", default="one-stream",
+                   choices=["one-stream", "throughput", "layers"])
+    p.add_argument("--rows", type=int, default=64, help="layers: rows per step")
     p.add_argument("--input-len", type=int, default=144, help="one-stream prompt length")
     p.add_argument("--num-prompts", type=int, default=64, help="throughput prompts")
     p.add_argument("--output-len", type=int, default=128)
@@ -102,8 +109,68 @@ def throughput(args: argparse.Namespace, model: str):  # type: ignore[no-untyped
     return run
 
 
+def layers(args: argparse.Namespace) -> None:
+    """The ``layers`` workload (see the top of the file)."""
+    from llmtower.kernels.decode_layer import DecodeLayers, LayerParts
+    from llmtower.kernels.fused_ops import FusedOps
+    from llmtower.kernels.gemm_f32 import GemmF32Weight
+    from llmtower.kernels.gemv_bf16 import GemvWeight
+    from llmtower.models.linear import PackedWeight, linear, silu_mul
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    kind = GemvWeight if dtype == torch.bfloat16 else GemmF32Weight
+    hid, inter, nh, nkv, d, n_layers, m = 576, 1536, 9, 3, 64, 30, args.rows
+    g = torch.Generator().manual_seed(0)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    ones = torch.ones(hid, dtype=dtype)
+    parts = [LayerParts(kind(w(hid, nh * d)), None, ones, kind(w(inter, hid), w(inter, hid)),
+                        kind(w(hid, inter)), ones, kind(w((nh + 2 * nkv) * d, hid)), None)
+             for _ in range(n_layers)]
+    fused_layers = DecodeLayers(parts, hid, inter, nh, nkv, d, 1e-5, dtype)
+    cos, sin = torch.ones(4096, d, dtype=dtype), torch.zeros(4096, d, dtype=dtype)
+    pos, slots = torch.arange(m) * 3, torch.arange(m)
+    cache = torch.zeros(2, 1024, 16, nkv, d, dtype=dtype)
+    fused_layers.begin_step(m, cos, sin, pos, slots)
+    h, attn = (torch.randn(m, hid) * 0.01).to(dtype), torch.randn(m, nh * d).to(dtype)
+    fo = FusedOps(dtype)
+    packed = [tuple(PackedWeight(torch.empty(0), x) for x in (p.o, p.gate_up, p.down, p.qkv))
+              for p in parts]
+
+    def fused() -> None:
+        for i in range(n_layers):
+            fused_layers.layer(i, h, attn, cache)
+
+    def separate() -> None:
+        for i, (o, gate_up, down, qkv) in enumerate(packed):
+            x = fo.add_rms_norm(h, linear(attn, o), parts[i].post_norm, 1e-5)
+            x = fo.add_rms_norm(h, linear(silu_mul(x, gate_up, None), down), ones, 1e-5)
+            fo.rope_kv_write(linear(x, qkv), nh, nkv, d, cos, sin, pos, slots, cache, False)
+
+    times: dict[str, list[float]] = {"separate": [], "fused": []}
+    load0 = os.getloadavg()[0]
+    for _ in range(args.rounds):
+        for name, fn in (("separate", separate), ("fused", fused)):
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
+            times[name].append(best * 1e3)
+    print(f"{args.dtype}, {m} rows, {n_layers} layers, {args.threads} threads, {args.rounds} "
+          f"rounds (best of 5 each); load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    for name, r in times.items():
+        print(f"{name:>9}: {statistics.median(r):6.2f} ms per 30 layers  runs: "
+              + ", ".join(f"{x:.2f}" for x in r))
+
+
 def main() -> None:
     args = parse_args()
+    if args.workload == "layers":
+        layers(args)
+        return
     model = args.model or str(default_model_dir())
     run = (one_stream if args.workload == "one-stream" else throughput)(args, model)
     rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
