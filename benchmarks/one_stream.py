@@ -10,6 +10,15 @@ ratio to the first variant, and the load average beside them (this machine is sh
     .venv/bin/python benchmarks/one_stream.py --variants float32:none,bfloat16:gguf --rounds 5
 
 Decode tok/s counts the steps after the first (prefill) one: 127 tokens over their wall time.
+
+``--breakdown``: instead, the vs_vllm.sh harness's one-stream cell through ``LLM.generate``
+(bfloat16, 4 GiB KV cache, max_model_len 512, greedy with min_tokens = max_tokens, EOS
+ignored): end-to-end tok/s and TTFT, and where the time of a decode step goes (scheduler,
+input preparation, the model's layers, lm_head, sampler, scheduler update, output processing),
+in ms per decode step, medians over ``--rounds`` requests.
+
+    chrt -f 1 .venv/bin/python benchmarks/one_stream.py --breakdown --rounds 5
+    chrt -f 1 .venv/bin/python benchmarks/one_stream.py --breakdown --batch 64 --ab
 llama.cpp's figure to compare with (issue 9, same machine kind, Q4_1, 2 threads): 118 tok/s
 decode only, 83 end to end.
 """
@@ -42,6 +51,13 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads; 0: the engine's default (all CPUs, fewer under contention)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true",
+                   help="the harness's one-stream cell through LLM.generate, per-part times")
+    p.add_argument("--batch", type=int, default=1,
+                   help="--breakdown: this many prompts at once (decode steps: all of them)")
+    p.add_argument("--ab", action="store_true",
+                   help="--breakdown: also the runner's general input path and torch's argmax, "
+                        "in alternate rounds")
     return p.parse_args()
 
 
@@ -59,8 +75,162 @@ def one_request(core: EngineCore, prompt: list[int], output_len: int, tag: str
     return steps[0], len(decode) / sum(decode)
 
 
+class PartTimer:
+    """Wraps methods of live objects (instance attributes) and sums their wall time per part;
+    ``step()`` closes one engine step's record."""
+
+    def __init__(self) -> None:
+        self.cur: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self.order: dict[str, None] = {}  # parts in the order they were wrapped
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        self.order[name] = None
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.cur[name] = self.cur.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+    def step(self) -> None:
+        self.steps.append(self.cur)
+        self.cur = {}
+
+
+class _Callable:
+    """A stand-in for an object that is called (the model, the sampler) whose call is timed;
+    everything else goes to the object."""
+
+    def __init__(self, obj: object, timer: PartTimer, name: str) -> None:
+        self._obj, self._timer, self._name = obj, timer, name
+        timer.order[name] = None
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return self._obj(*a, **kw)  # type: ignore[operator]
+        finally:
+            c = self._timer.cur
+            c[self._name] = c.get(self._name, 0.0) + time.perf_counter() - t
+
+    def __getattr__(self, name: str):
+        return getattr(self._obj, name)
+
+
+def breakdown(args: argparse.Namespace) -> None:
+    """The vs_vllm.sh one-stream cell (bench_offline.py's llmtower settings), timed by part."""
+    from llmtower import LLM
+
+    llm = LLM(model=args.model, dtype="bfloat16", num_threads=args.threads or 2,
+              max_model_len=512, kv_cache_memory="4GiB", seed=args.seed,
+              enable_prefix_caching=False)
+    core = llm.engine_core
+    runner = core.executor.runner
+    model = runner.model
+    timer = PartTimer()
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(core.executor, "execute_model", "execute_model")
+    timer.wrap(runner.batch, "update_request", "  batch.update_request")
+    timer.wrap(runner, "_prepare_inputs", "  prepare_inputs")
+    timer.wrap(runner, "_plan_decodes", "    _plan_decodes")
+    from llmtower.executor import model_runner as runner_mod
+    timer.wrap(runner_mod, "plan_prompt_logprobs", "    plan_prompt_logprobs")
+    runner.model = _Callable(model, timer, "  model")
+    timer.wrap(model, "_logits", "    lm_head (+ .float())")
+    dl = model.decode_layers
+    if dl is not None:
+        timer.wrap(dl, "attend_and_layers", "    layers 1..L-2 in C")
+        timer.wrap(dl, "begin_step", "    decode_layers.begin_step")
+        timer.wrap(dl, "layer", "    decode_layers.layer (layer 0 rest)")
+    # The calls of layer 0 and the last layer (module functions and the kernels' objects).
+    from llmtower.models import llama as llama_mod
+    timer.wrap(llama_mod, "apply_linear", "    apply_linear (qkv 0, o L-1, head)")
+    timer.wrap(llama_mod.F, "embedding", "    embedding")
+    timer.wrap(runner.attn, "forward", "    attention (layers 0, L-1)")
+    if model.fused is not None:
+        for name in ("check_step", "rope_kv_write", "add_rms_norm", "silu_mul"):
+            timer.wrap(model.fused, name, f"    fused.{name}")
+    runner.sampler = _Callable(runner.sampler, timer, "  sampler")
+    timer.wrap(runner, "_output", "  runner output")
+    timer.wrap(runner.heap_trimmer, "after_step", "  heap_trimmer")
+    timer.wrap(core.scheduler, "update_from_output", "update_from_output")
+    timer.wrap(llm.output_processor, "process_outputs", "process_outputs")
+    timer.wrap(core, "step", "engine step")
+    timer.order["LLM step (all)"] = None
+    step = llm._step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        timer.cur["LLM step (all)"] = time.perf_counter() - t
+        timer.cur["_tokens"] = core.last_step_num_tokens
+        timer.step()
+        return out
+
+    llm._step = timed_step  # type: ignore[method-assign]
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, model.config.vocab_size, args.input_len).tolist()
+               for _ in range(args.batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                        min_tokens=args.output_len, ignore_eos=True, seed=args.seed)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                   ignore_eos=True), use_tqdm=False)
+    # --ab: the runner's decode fast path and numpy's argmax against what they replaced
+    from llmtower.executor import sampler as sampler_mod
+    fast_argmax = sampler_mod.argmax_rows
+    variants = {"new": True, "old": False} if args.ab else {"new": True}
+    load0 = os.getloadavg()[0]
+    walls: dict[str, list[float]] = {v: [] for v in variants}
+    ttfts: dict[str, list[float]] = {v: [] for v in variants}
+    per_part: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    prefill: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v, on in variants.items():
+            runner_mod.DECODE_FAST_PATH = on
+            sampler_mod.argmax_rows = (fast_argmax if on else  # type: ignore[assignment]
+                                       lambda lg: lg.argmax(dim=-1).numpy())
+            timer.steps = []
+            t = time.perf_counter()
+            out = llm.generate(prompts, sp, use_tqdm=False)
+            walls[v].append(time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == args.output_len for o in out)
+            ttfts[v].append(timer.steps[0]["LLM step (all)"])
+            prefill[v].append(timer.steps[0])
+            # decode steps: every request has its one token (all prompts are in)
+            dec = [st for st in timer.steps if st.pop("_tokens") == args.batch][1:]
+            per_part[v].append({k: sum(st.get(k, 0.0) for st in dec) / len(dec)
+                                for k in dec[0]})
+    runner_mod.DECODE_FAST_PATH = True
+    sampler_mod.argmax_rows = fast_argmax
+    print(f"\n{args.batch} stream(s) (LLM.generate), bfloat16, {args.input_len} in / "
+          f"{args.output_len} out, {args.rounds} rounds (median); load average {load0:.1f} -> "
+          f"{os.getloadavg()[0]:.1f}")
+    for v in variants:
+        wall = statistics.median(walls[v])
+        print(f"{v}: end to end {args.batch * args.output_len / wall:.1f} tok/s "
+              f"({wall * 1e3:.0f} ms), first step {statistics.median(ttfts[v]) * 1e3:.1f} ms")
+    total = statistics.median(p["LLM step (all)"] for p in per_part["new"])
+    print("| part | ms per decode step | share |"
+          + (" old path, ms |" if args.ab else "") + " ms of the first step |")
+    print("|---|---|---|" + ("---|" if args.ab else "") + "---|")
+    for k in sorted(per_part["new"][0], key=list(timer.order).index):
+        val = statistics.median(p.get(k, 0.0) for p in per_part["new"])
+        old = (f" {statistics.median(p.get(k, 0.0) for p in per_part['old']) * 1e3:.3f} |"
+               if args.ab else "")
+        pre = statistics.median(p.get(k, 0.0) for p in prefill["new"])
+        print(f"| {k} | {val * 1e3:.3f} | {val / total:.1%} |{old} {pre * 1e3:.2f} |")
+
+
 def main() -> None:
     args = parse_args()
+    if args.breakdown:
+        breakdown(args)
+        return
     variants = [tuple(v.split(":")) for v in args.variants.split(",")]
     cores: dict[tuple[str, ...], EngineCore] = {}
     for dtype, quant in variants:

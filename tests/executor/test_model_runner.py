@@ -2,6 +2,9 @@
 per-request state, mixed batches, clear errors; and the engine factory's sizing."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from llmtower.core.outputs import CachedRequestData, NewRequestData, SchedulerOu
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.factory import create_engine_core, kv_cache_blocks, resolve_max_model_len
+from llmtower.executor import model_runner
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import KVCache, bytes_per_block
 from llmtower.models.loader import load_model_config, load_state_dict
@@ -164,3 +168,87 @@ def test_factory_resolves_max_model_len(tiny_llama_dir, model):
     assert core.scheduler.config.max_model_len == 64
     assert core.scheduler.cache_config.num_blocks == (2**20) // bytes_per_block(cfg, 16, torch.float32)
     assert core.model_info.model_path == tiny_llama_dir.resolve()
+
+
+def _same(a, b) -> None:
+    """Two step-input structures hold the same values (tensors, arrays, dataclasses)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("backend", ["c", "torch"])
+def test_decode_fast_path_gives_the_general_paths_inputs_and_tokens(model, backend, monkeypatch):
+    """A step of one-token queries takes ``_prepare_decodes``: the same flat batch (order by
+    context length, slots, positions, attention plan, sampled rows) as the general path, so
+    the same tokens; requests whose one token does not reach their end are not sampled."""
+    cfg, state = model
+    ex = CPUExecutor(cfg, state, CacheConfig(block_size=BS, num_blocks=64, num_cpu_blocks=0),
+                     torch.float32, 128, attention_backend=backend)
+    prompts = {"a": PROMPT, "b": PROMPT[:3], "c": PROMPT[::-1] + [4, 4, 4], "d": [8, 9, 10, 11]}
+    blocks = {rid: list(range(8 * i, 8 * i + 8)) for i, rid in enumerate(prompts)}
+    # d's prefill stops two tokens short: its next one-token step is not sampled.
+    sched = {rid: len(p) - 2 * (rid == "d") for rid, p in prompts.items()}
+    step(ex, [new(rid, p, blocks[rid]) for rid, p in prompts.items()], sched=sched)
+    runner = ex.runner
+    seen = []
+    real = type(runner)._prepare_inputs
+
+    def both(self, so, req_ids, num_spec=None):
+        nct = self.batch.num_computed_tokens.copy()
+        monkeypatch.setattr(model_runner, "DECODE_FAST_PATH", False)
+        general = real(self, so, req_ids, num_spec)
+        self.batch.num_computed_tokens[:] = nct
+        monkeypatch.setattr(model_runner, "DECODE_FAST_PATH", True)
+        fast = real(self, so, req_ids, num_spec)
+        _same(general, fast)  # before the forward pass marks the plan checked
+        seen.append(len(req_ids))
+        return fast
+
+    monkeypatch.setattr(type(runner), "_prepare_inputs", both)
+    computed = dict(sched)
+    outs = []
+    for i in range(3):
+        order = ["c", "a", "d", "b"] if i % 2 else ["b", "d", "a", "c"]
+        cached = [CachedRequestData(r, [], computed[r]) for r in order]
+        outs.append(step(ex, cached=cached, sched={r: 1 for r in order}))
+        for r in order:
+            computed[r] += 1
+    assert outs[0]["d"] == [] and all(len(t) == 1 for r, t in outs[0].items() if r != "d")
+    assert seen == [4, 4, 4]
+    assert runner.batch.num_computed_tokens[runner.batch.req_id_to_row["a"]] == computed["a"]
+    # The tokens of the whole run equal those of a run on the general path alone.
+    monkeypatch.setattr(type(runner), "_prepare_inputs", real)
+    monkeypatch.setattr(model_runner, "DECODE_FAST_PATH", False)
+    ex2 = CPUExecutor(cfg, state, CacheConfig(block_size=BS, num_blocks=64, num_cpu_blocks=0),
+                      torch.float32, 128, attention_backend=backend)
+    step(ex2, [new(rid, p, blocks[rid]) for rid, p in prompts.items()], sched=sched)
+    computed = dict(sched)
+    for i in range(3):
+        order = ["c", "a", "d", "b"] if i % 2 else ["b", "d", "a", "c"]
+        cached = [CachedRequestData(r, [], computed[r]) for r in order]
+        assert step(ex2, cached=cached, sched={r: 1 for r in order}) == outs[i]
+        for r in order:
+            computed[r] += 1
+
+
+def test_decode_fast_path_keeps_the_clear_errors(model):
+    ex = make_executor(model)
+    step(ex, [new("a", PROMPT, [0, 1, 2])], sched={"a": 10})
+    with pytest.raises(RuntimeError, match="past the tokens"):  # a's 11th token is not known
+        step(ex, cached=[CachedRequestData("a", [], 11)], sched={"a": 1})
+    ex = make_executor(model)
+    step(ex, [new("a", PROMPT[:8], [0, 1])], sched={"a": 8})
+    with pytest.raises(RuntimeError, match="no KV block"):  # position 8 needs a third block
+        step(ex, cached=[CachedRequestData("a", [], 8)], sched={"a": 1})

@@ -225,3 +225,24 @@ def test_logit_bias_steers_greedy_and_sampling_but_not_the_reported_logprobs():
 def test_logit_bias_out_of_range_is_a_clear_error():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 150.0})
+
+
+def test_greedy_argmax_is_torchs_on_ties_nan_and_infinities():
+    """The greedy fast path takes numpy's argmax: the same token as torch's argmax (the first
+    maximum, the first NaN, the first +inf; an all -inf row gives 0) on every row."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 0.0], [1.0, nan, 5.0, nan],
+            [-inf, -inf, -inf, -inf], [0.0, -0.0, 0.0, 1.0e-45], [-0.0, 0.0, -1.0, -2.0],
+            [inf, 1.0, inf, 2.0], [-inf, nan, 0.0, inf], [2.0, 2.0, 2.0, 2.0]]
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randint(-3, 4, (64, 49152), generator=gen).float()  # many ties in each row
+    big[5, 1000] = nan
+    for logits in (torch.tensor(rows), big, big[:1], big[:, :17]):
+        batch, idx = make_batch(*[SamplingParams(temperature=0.0)] * logits.shape[0])
+        tokens, lps = Sampler(seed=0)(logits, idx, batch)
+        assert tokens.dtype == np.int64 and lps is None
+        assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    # The processing path (logprobs asked) takes the same argmax after its work.
+    batch, idx = make_batch(*[SamplingParams(temperature=0.0, logprobs=1)] * 9)
+    tokens, lps = Sampler(seed=0)(torch.tensor(rows), idx, batch)
+    assert tokens.tolist() == torch.tensor(rows).argmax(dim=-1).tolist()
