@@ -253,6 +253,7 @@ static void gemm_bf16_share(const uint16_t *x, int64_t ldx, int64_t mc, const ui
             else
 #endif
                 tile_portable(xr, ldx, rows, tile, k, acc);
+            (void)fast; (void)count; (void)q;
             gemm_bf16_store(acc, rows, out + r0 * ldo + t * cols, ldo, ncols,
                             bias ? bias + t * cols : NULL, silu);
             r0 += rows;
