@@ -39,6 +39,14 @@ CATEGORIES = {
     "logits .float() + argmax": ("'float'", "'argmax'"),
 }
 SETTINGS = {"oneDNN": 0, "few-row kernel": linear.GEMV_MAX_ROWS}
+_BF16_ROWS = linear.BF16_KERNEL_MAX_ROWS
+
+
+def use_rows(rows: int) -> None:
+    """The few-row kernel up to ``rows``; 0: oneDNN for every product (gemm_bf16 off too, as
+    it would otherwise take the rows the few-row kernel gives up)."""
+    linear.GEMV_MAX_ROWS = rows
+    linear.BF16_KERNEL_MAX_ROWS = _BF16_ROWS if rows else 0
 
 
 def parse_args() -> argparse.Namespace:
@@ -104,14 +112,14 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         for name, rows in SETTINGS.items():
-            linear.GEMV_MAX_ROWS = rows
+            use_rows(rows)
             steps, toks = run(core, prompt, args.output_len, f"{r}-{name}")
             rates[name].append(len(steps) / sum(steps))
             medians[name].append(statistics.median(steps) * 1e3)
             tokens[name] = toks
     profiles: dict[str, dict[str, float]] = {}
     for name, rows in SETTINGS.items():
-        linear.GEMV_MAX_ROWS = rows
+        use_rows(rows)
         prof = cProfile.Profile()
         steps, _ = run(core, prompt, args.output_len, f"prof-{name}", prof)
         parts = breakdown(prof, len(steps))

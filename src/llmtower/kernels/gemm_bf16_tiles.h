@@ -97,7 +97,10 @@ static void gemm_bf16_block_fast(const uint16_t *x, int64_t ldx, int rows, const
  * trick, 2^(k/32) from a 32-entry table, a degree-3 polynomial, one rounding to float. Lanes
  * glibc sends to its special path (|x| >= ~88: overflow, underflow, inf, NaN) are flagged in
  * *special (their values here are meaningless); the caller computes those with expf.
- * gemm_bf16_exp_agrees() (gemm_bf16.c) checks it against this libm's expf once at load. */
+ * gemm_bf16_exp_agrees() (gemm_bf16.c) checks it against this libm's expf once at load.
+ * The method and its constants (the table's 2^(i/32) with i/32 taken out of the exponent, the
+ * polynomial's coefficients) are those of Arm's optimized-routines expf (MIT OR Apache-2.0),
+ * which glibc adopted; matching them is what makes the result glibc's to the bit. */
 static const uint64_t gemm_bf16_exp_tab[32] = {
     0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
     0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
