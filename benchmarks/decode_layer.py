@@ -38,8 +38,10 @@ from llmtower.engine.factory import create_engine_core
 from llmtower.kernels import decode_layer as DL
 from llmtower.models.default_model import default_model_dir
 
-# setting -> (DL.MAX_ROWS, DL.WHOLE_LAYERS)
-SETTINGS = {"off": (0, False), "per layer": (DL.MAX_ROWS, False), "whole": (DL.MAX_ROWS, True)}
+# setting -> (DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV)
+SETTINGS = {"off": (0, False, False), "per layer": (DL.MAX_ROWS, False, False),
+            "whole, no KV prefetch": (DL.MAX_ROWS, True, False),
+            "whole": (DL.MAX_ROWS, True, True)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -177,8 +179,8 @@ def main() -> None:
     tokens: dict[str, list[int]] = {}
     load0 = os.getloadavg()[0]
     for _ in range(args.rounds):
-        for name, (rows, whole) in SETTINGS.items():
-            DL.MAX_ROWS, DL.WHOLE_LAYERS = rows, whole
+        for name, (rows, whole, prefetch) in SETTINGS.items():
+            DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV = rows, whole, prefetch
             t = time.perf_counter()
             n, tokens[name] = run()
             rates[name].append(n / (time.perf_counter() - t))
@@ -187,7 +189,7 @@ def main() -> None:
     base = statistics.median(rates["off"])
     for name, r in rates.items():
         med = statistics.median(r)
-        print(f"{name:>10}: {med:6.1f} output tok/s ({med / base:.2f}x)  runs: "
+        print(f"{name:>22}: {med:6.1f} output tok/s ({med / base:.2f}x)  runs: "
               + ", ".join(f"{x:.1f}" for x in r))
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(f"greedy tokens the same in all settings: {same}")

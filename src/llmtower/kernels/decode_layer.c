@@ -29,6 +29,8 @@
 /* bfloat16 products of at most this many rows take the few-row tiles, larger ones gemm_bf16's
  * (both sum alike: the choice changes the speed only). */
 #define FEW_ROWS 8
+/* Whether decode_layers prefetches the next attention's K/V during the float32 products. */
+int decode_layer_prefetch_kv = 1;
 
 /* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype). */
 typedef struct {
@@ -147,6 +149,65 @@ typedef struct {
     void *out;
 } DecodeAttention;
 
+/* The next attention's K and V blocks as a prefetch stream (F32Side): requests r .. r_end,
+ * each one's blocks in table order, K then V. */
+typedef struct {
+    const char *k, *v;
+    const int64_t *bt, *lens;
+    int64_t bt_stride, bs, block_lines, r, r_end, blk, kv, line;
+} KvStream;
+
+static int64_t kv_take(void *state, int64_t max, const char **ptr) {
+    KvStream *q = state;
+    while (q->r < q->r_end) {
+        const int64_t blocks = (q->lens[q->r] + q->bs - 1) / q->bs;
+        if (q->blk >= blocks) { q->r++; q->blk = 0; continue; }
+        const int64_t id = q->bt[q->r * q->bt_stride + q->blk];
+        const char *base = (q->kv ? q->v : q->k) + id * q->block_lines * 64;
+        int64_t n = q->block_lines - q->line;
+        if (n > max) n = max;
+        *ptr = base + q->line * 64;
+        q->line += n;
+        if (q->line >= q->block_lines) {
+            q->line = 0;
+            if (++q->kv == 2) { q->kv = 0; q->blk++; }
+        }
+        return n;
+    }
+    return 0;
+}
+
+/* decode_layer with the next attention's K/V blocks (k_cache, v_cache: the next layer's, whose
+ * attention follows) prefetched into L2 in the float32 products' spare k steps (F32Side), each
+ * thread its share of the requests. The products are compute-bound and the attention reads
+ * ~20 MB per layer from memory at 64 requests (SmolLM2, float32): read during the products,
+ * part of it is still in L2/L3 when the attention runs. bfloat16 products take no side stream. */
+static int decode_layer_pf(const DecodeLayerWeights *w, const DecodeStep *s,
+                           const DecodeAttention *a, void *h, const void *attn_out,
+                           int64_t attn_stride, void *k_cache, void *v_cache) {
+    if (s->t <= 0 || s->hidden <= 0 || s->inter <= 0 || s->d <= 0 || s->d % 2
+            || attn_stride < s->nh * s->d)
+        return 1;
+    const int64_t block_lines = a->block_size * s->nkv * s->d * (s->bf16 ? 2 : 4) / 64;
+#pragma omp parallel num_threads(s->num_threads) if (s->num_threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t th = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+        const int64_t th = 0, team = 1;
+#endif
+        KvStream q = {k_cache, v_cache, a->block_tables, a->context_lens, a->bt_stride,
+                      a->block_size, block_lines, s->t * th / team, s->t * (th + 1) / team,
+                      0, 0, 0};
+        F32Side side = {kv_take, &q};
+        f32_side = block_lines > 0 && a->block_size > 0 ? &side : NULL;
+        if (s->bf16) layer_bf16(w, s, h, attn_out, attn_stride, k_cache, v_cache);
+        else layer_f32(w, s, h, attn_out, attn_stride, k_cache, v_cache);
+        f32_side = NULL;
+    }
+    return 0;
+}
+
 /* Layers first .. first + count - 1 (count >= 0), each: its attention over q in s->q_out and
  * its caches, then decode_layer through the next layer's qkv (w: the model's array of layer
  * pairs). Returns 0, paged_decode's nonzero code, or 1 for bad sizes. */
@@ -160,7 +221,8 @@ int decode_layers(const DecodeLayerWeights *w, const DecodeStep *s, const Decode
                        a->context_lens, a->out, s->t, s->nh, s->nkv, s->d, a->block_size,
                        a->scale, s->bf16 ? 1 : 0, s->num_threads);
         if (rc) return rc;
-        rc = decode_layer(&w[i], s, h, a->out, qd, k_caches[i + 1], v_caches[i + 1]);
+        rc = decode_layer_prefetch_kv ? decode_layer_pf(&w[i], s, a, h, a->out, qd, k_caches[i + 1], v_caches[i + 1])
+                         : decode_layer(&w[i], s, h, a->out, qd, k_caches[i + 1], v_caches[i + 1]);
         if (rc) return rc;
     }
     return 0;

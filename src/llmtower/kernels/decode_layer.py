@@ -36,6 +36,9 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Whether pure one-row decode steps run layers 1 .. L-2 whole in C, attention included
 # (``attend_and_layers``); False: one call per layer after a Python attention (benchmarks).
 WHOLE_LAYERS = True
+# Whether whole layers prefetch the next attention's K/V blocks in the float32 products' spare
+# steps (decode_layer.c, ``decode_layer_prefetch_kv``); False: not (benchmarks compare).
+PREFETCH_KV = True
 
 
 class DecodeLayerWeights(ctypes.Structure):
@@ -151,6 +154,7 @@ class DecodeLayers:
         size = ctypes.sizeof(DecodeLayerWeights)
         self._weight_ptrs = [ctypes.addressof(self._weights) + i * size for i in range(n)]
         self._layers_fn = lib.decode_layers
+        self._prefetch_kv = ctypes.c_int.in_dll(lib, "decode_layer_prefetch_kv")
         self._attn = DecodeAttention(fn=_paged_decode_address())
         self._attn_ptr = ctypes.addressof(self._attn)
         self._out = torch.empty(0)
@@ -226,6 +230,7 @@ class DecodeLayers:
         a.block_tables, a.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
         a.context_lens, a.block_size, a.scale = context_lens.data_ptr(), block_size, scale
         k_ptrs, v_ptrs = self._caches(kv_caches)
+        self._prefetch_kv.value = int(PREFETCH_KV)
         rc = self._layers_fn(ctypes.addressof(self._weights), self._step_ptr, self._attn_ptr,
                              h.data_ptr(), k_ptrs, v_ptrs, first, count)
         if rc == -1:

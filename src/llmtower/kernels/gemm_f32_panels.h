@@ -84,12 +84,13 @@ static void f32_tile_portable(const float *x, int64_t ldx, int rows, const float
 /* acc[r * F32_NP + c] for R rows; prefetches `pf_lines` 64-byte lines from `pf`, one per k. */
 static inline __attribute__((always_inline)) void f32_tile_fast(
         const float *x, int64_t ldx, const int R, const float *pw, int64_t k, float *acc,
-        const char *pf, int64_t pf_lines) {
+        const char *pf, int64_t pf_lines, const char *side, int64_t side_lines) {
     __m512 a[F32_MR][2];
     for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
     for (int64_t kk = 0; kk < k; kk++) {
         __m512 w0 = _mm512_loadu_ps(pw + kk * F32_NP), w1 = _mm512_loadu_ps(pw + kk * F32_NP + 16);
         if (kk < pf_lines) _mm_prefetch(pf + kk * 64, _MM_HINT_T1);
+        else if (kk - pf_lines < side_lines) _mm_prefetch(side + (kk - pf_lines) * 64, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
             a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
@@ -102,10 +103,12 @@ static inline __attribute__((always_inline)) void f32_tile_fast(
     }
 }
 
-#define F32_CASE(R) case R: f32_tile_fast(xr, ldx, R, pw, k, acc, pf, pf_lines); break;
+#define F32_CASE(R) \
+    case R: f32_tile_fast(xr, ldx, R, pw, k, acc, pf, pf_lines, side, side_lines); break;
 
 static void f32_tile_dispatch(const float *xr, int64_t ldx, int rows, const float *pw, int64_t k,
-                          float *acc, const char *pf, int64_t pf_lines) {
+                              float *acc, const char *pf, int64_t pf_lines, const char *side,
+                              int64_t side_lines) {
     switch (rows) {
         F32_CASE(1) F32_CASE(2) F32_CASE(3) F32_CASE(4) F32_CASE(5) F32_CASE(6)
         F32_CASE(7) F32_CASE(8) F32_CASE(9) F32_CASE(10) F32_CASE(11) F32_CASE(12)
@@ -113,6 +116,15 @@ static void f32_tile_dispatch(const float *xr, int64_t ldx, int rows, const floa
     }
 }
 #endif
+
+/* A further stream of lines to prefetch in the micro-kernel's spare k steps (e.g. the next
+ * attention's KV blocks): take(state, max, &ptr) gives up to max contiguous lines at ptr and
+ * moves on (0: none left). Per thread; NULL: none. */
+typedef struct {
+    int64_t (*take)(void *state, int64_t max, const char **ptr);
+    void *state;
+} F32Side;
+static __thread F32Side *f32_side;
 
 /* One thread's share: panels p0..p1 over rows 0..m. While its last panel is computed (in the
  * last row chunk), `after_lines` lines at `after` are prefetched: the thread's first panel of
@@ -146,9 +158,14 @@ static void f32_run_panels(const float *x, int64_t m, int64_t ldx, const float *
                 if (next && first < next_lines)
                     count = next_lines - first < per ? next_lines - first : per;
                 if (count > k) count = k;
+                const char *side = NULL;
+                int64_t side_lines = 0;
+                if (f32_side && count < k)
+                    side_lines = f32_side->take(f32_side->state, k - count, &side);
 #if F32_FAST
                 if (path == 0) f32_tile_dispatch(xr, ldx, rows, pw, k, acc,
-                                                 next ? next + first * 64 : NULL, count);
+                                                 next ? next + first * 64 : NULL, count, side,
+                                                 side_lines);
                 else
 #endif
                     f32_tile_portable(xr, ldx, rows, pw, k, acc);
