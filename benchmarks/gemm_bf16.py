@@ -21,11 +21,9 @@ import time
 import numpy as np
 import torch
 
-from llmtower.bench.throughput import input_lengths, random_prompts
-from llmtower.core.outputs import EngineCoreRequest
+from llmtower.bench.throughput import input_lengths, random_prompts, run_engine
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core import EngineCore
 from llmtower.engine.factory import create_engine_core
 from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
 from llmtower.kernels.gemv_bf16 import GemvWeight
@@ -96,21 +94,6 @@ def time_shapes(rows_list: list[int], layers: int = 30) -> None:
                   f"{best['od'] / best['ours']:.2f}x |", flush=True)
 
 
-def run(core: EngineCore, prompts: list[list[int]], sp: SamplingParams, tag: str
-        ) -> tuple[float, int, dict[str, list[int]]]:
-    """(seconds, output tokens, tokens per request index) of one pass over the prompts."""
-    for i, p in enumerate(prompts):
-        core.add_request(EngineCoreRequest(f"{tag}-{i}", p, sp))
-    tokens: dict[str, list[int]] = {}
-    n = 0
-    t0 = time.perf_counter()
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            n += len(o.new_token_ids)
-            tokens.setdefault(o.request_id.rsplit("-", 1)[1], []).extend(o.new_token_ids)
-    return time.perf_counter() - t0, n, tokens
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -127,7 +110,7 @@ def main() -> None:
     lengths = input_lengths(args.num_prompts, 0, 0.0, args.input_len_range, rng)
     prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    run(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
+    run_engine(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
     settings = {"oneDNN": 0} | {f"gemm_bf16<={v}": int(v) for v in args.limits.split(",")}
     rates: dict[str, list[float]] = {k: [] for k in settings}
     outs: dict[str, dict[str, list[int]]] = {}
@@ -135,7 +118,8 @@ def main() -> None:
         for name, rows in settings.items():
             linear.BF16_KERNEL_MAX_ROWS = rows
             core.reset_prefix_cache()
-            secs, n, outs[name] = run(core, prompts, sp, f"{r}{name}")
+            outs[name] = {}
+            secs, n = run_engine(core, prompts, sp, f"{r}{name}", tokens=outs[name])
             rates[name].append(n / secs)
             print(f"round {r} {name:>15}: {n / secs:6.1f} output tok/s ({secs:.2f} s)",
                   flush=True)
@@ -155,6 +139,7 @@ def main() -> None:
         total = sum(len(v) for v in a.values())
         print(f"{name} vs oneDNN: requests with identical outputs {same}/{len(a)}; tokens equal "
               f"position by position {agree}/{total}")
+
 
 if __name__ == "__main__":
     main()

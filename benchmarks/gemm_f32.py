@@ -22,11 +22,9 @@ import numpy as np
 import torch
 
 from llmtower.bench.synthetic import is_synthetic_model, synthetic_model_dir
-from llmtower.bench.throughput import input_lengths, random_prompts
-from llmtower.core.outputs import EngineCoreRequest
+from llmtower.bench.throughput import input_lengths, random_prompts, run_engine
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core import EngineCore
 from llmtower.engine.factory import create_engine_core
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.models import linear
@@ -95,21 +93,6 @@ def time_shapes(rows_list: list[int], layers: int = 30) -> None:
                   f"{best['od'] / best['ours']:.2f}x |", flush=True)
 
 
-def run(core: EngineCore, prompts: list[list[int]], sp: SamplingParams, tag: str
-        ) -> tuple[float, int, dict[str, list[int]]]:
-    """(seconds, output tokens, tokens per request index) of one pass over the prompts."""
-    for i, p in enumerate(prompts):
-        core.add_request(EngineCoreRequest(f"{tag}-{i}", p, sp))
-    tokens: dict[str, list[int]] = {}
-    n = 0
-    t0 = time.perf_counter()
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            n += len(o.new_token_ids)
-            tokens.setdefault(o.request_id.rsplit("-", 1)[1], []).extend(o.new_token_ids)
-    return time.perf_counter() - t0, n, tokens
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -125,7 +108,7 @@ def main() -> None:
     lengths = input_lengths(args.num_prompts, 0, 0.0, args.input_len_range, rng)
     prompts = random_prompts(lengths, core.model_info.vocab_size, rng)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    run(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
+    run_engine(core, [prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), "warmup")
     attn = core.executor.runner.attn  # type: ignore[attr-defined]
     kernel_ok = attn.prefill_f32
     rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
@@ -135,7 +118,8 @@ def main() -> None:
             linear.F32_KERNEL_MAX_ROWS = rows
             attn.prefill_f32 = prefill and kernel_ok
             core.reset_prefix_cache()
-            secs, n, outs[name] = run(core, prompts, sp, f"{r}{name}")
+            outs[name] = {}
+            secs, n = run_engine(core, prompts, sp, f"{r}{name}", tokens=outs[name])
             rates[name].append(n / secs)
             print(f"round {r} {name:>20}: {n / secs:6.1f} output tok/s ({secs:.2f} s)", flush=True)
     load1 = os.getloadavg()[0]

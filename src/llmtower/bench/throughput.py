@@ -93,10 +93,12 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], sp: SamplingParams,
-               prefix: str = "bench", progress: bool = False) -> tuple[float, int]:
+               prefix: str = "bench", progress: bool = False,
+               tokens: dict[str, list[int]] | None = None) -> tuple[float, int]:
     """Submit every prompt, step until all are done; (seconds, output tokens). With
     ``progress``, a bar of finished requests on stderr (its updates are outside the engine's
-    step, and cost microseconds per step)."""
+    step, and cost microseconds per step). ``tokens``, if given, collects each request's output
+    token ids under its prompt's index (benchmarks compare settings' outputs with it)."""
     eos = None if sp.ignore_eos else _first_eos(core)
     from tqdm.auto import tqdm
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress,
@@ -111,6 +113,8 @@ def run_engine(core: EngineCore, prompts: list[list[int]], sp: SamplingParams,
             for o in core.step().outputs:
                 num_out += len(o.new_token_ids)
                 done += o.finished
+                if tokens is not None:
+                    tokens.setdefault(o.request_id.rsplit("-", 1)[1], []).extend(o.new_token_ids)
             if done:
                 bar.update(done)
                 bar.set_postfix_str(f"{num_out / (time.perf_counter() - t0):.0f} output tok/s",
