@@ -38,6 +38,10 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
                                               "_fresh_prefill", "_prefill_with_context")),
     ("fused C ops (norm, RoPE+KV, SiLU)", ("add_rms_norm", "rope_kv_write", "silu_mul:fused_ops.py")),
     ("sampler (argmax)", ("__call__:sampler.py",)),
+    # decode steps of up to 256 rows run each layer's products, norms, RoPE and KV write (and,
+    # for whole layers, the attention) in one C call: the GEMMs above no longer include them
+    ("fused decode layers (kernels/decode_layer.c)", ("layer:decode_layer.py",
+                                                     "attend_and_layers:decode_layer.py")),
 ]
 
 
