@@ -8,6 +8,10 @@ clock: run it at ``chrt -f 1`` on a shared machine; "the rest" is the unprofiled
 the named parts, so cProfile's own cost does not inflate it).
 
     chrt -f 1 .venv/bin/python benchmarks/gemv_bf16.py --threads 2
+
+``--prefetch none,nta:1024,t2:2048``: instead, the few-row kernel with each software prefetch
+setting (hint:bytes ahead, ``gemv_bf16.set_prefetch``) in turn, ``--rounds`` times: decode
+tok/s per setting and round, with the load average of each round, and whether tokens agree.
 """
 from __future__ import annotations
 
@@ -58,7 +62,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefetch", default="",
+                   help="comma-separated hint:distance settings of the tile prefetch to compare")
     return p.parse_args()
+
+
+def prefetch_ab(core: EngineCore, prompt: list[int], args: argparse.Namespace) -> None:
+    """Decode tok/s of each prefetch setting, the settings taking turns each round."""
+    from llmtower.kernels import gemv_bf16
+
+    settings = [(h, int(d or 1024)) for h, _, d in (x.partition(":")
+                                                    for x in args.prefetch.split(","))]
+    rates: dict[str, list[float]] = {f"{h}:{d}": [] for h, d in settings}
+    tokens: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        line = []
+        for h, d in settings:
+            gemv_bf16.set_prefetch(h, d)
+            steps, toks = run(core, prompt, args.output_len, f"{r}-{h}-{d}")
+            rates[f"{h}:{d}"].append(len(steps) / sum(steps))
+            tokens[f"{h}:{d}"] = toks
+            line.append(f"{h}:{d} {rates[f'{h}:{d}'][-1]:.1f}")
+        print(f"round {r}: " + ", ".join(line) + f" tok/s; load {os.getloadavg()[0]:.2f}",
+              flush=True)
+    gemv_bf16.set_prefetch("none")
+    base = statistics.median(next(iter(rates.values())))
+    for name, rs in rates.items():
+        m = statistics.median(rs)
+        print(f"{name:>10}: decode {m:6.1f} tok/s ({m / base:.3f}x) median of {len(rs)}")
+    ref = next(iter(tokens.values()))
+    print("tokens identical across settings:", all(t == ref for t in tokens.values()))
 
 
 def run(core: EngineCore, prompt: list[int], n: int, tag: str,
@@ -106,6 +139,9 @@ def main() -> None:
     vocab = core.model_info.vocab_size  # type: ignore[union-attr]
     prompt = np.random.default_rng(0).integers(0, vocab, args.input_len).tolist()
     run(core, prompt[:16], 4, "warm")
+    if args.prefetch:
+        prefetch_ab(core, prompt, args)
+        return
     rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
     medians: dict[str, list[float]] = {k: [] for k in SETTINGS}
     tokens: dict[str, list[int]] = {}

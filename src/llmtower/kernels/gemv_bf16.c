@@ -15,10 +15,13 @@
  * SmolLM2's shapes; tests/kernels/test_gemv_bf16.py checks them against a float32 reference). The
  * portable path (no AVX512_BF16) computes the same sums in C; Python uses the kernel only where
  * the fast path exists (``gemv_bf16_fast``), and oneDNN elsewhere.
- * Tiles are shared out to OpenMP threads in contiguous runs. No software prefetch: the
- * hardware's stream prefetch kept up (a step's 269 MB of SmolLM2 weights took 7.1 ms, ~38 GB/s,
- * at 2 threads when a plain read of 269 MB took 7.7 ms; prefetching 4-12 KB ahead was 5-15%
- * slower).
+ * Tiles are shared out to OpenMP threads in contiguous runs. No software prefetch by default:
+ * the hardware's stream prefetch kept up (a step's 269 MB of SmolLM2 weights took 7.1 ms, ~38
+ * GB/s, at 2 threads when a plain read of 269 MB took 7.7 ms; prefetching 4-12 KB ahead was
+ * 5-15% slower). gemv_bf16_tiles_set_prefetch (Python: gemv_bf16.set_prefetch) turns on a
+ * prefetch of each pair's lines with a chosen hint and distance; NTA 1-2 KB ahead made the host
+ * code between steps faster (less cache evicted) but the products no faster, one stream's
+ * tok/s within noise (docs/performance.md), so it stays off.
  */
 #include "gemv_bf16_tiles.h"
 

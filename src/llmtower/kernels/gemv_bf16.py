@@ -36,6 +36,30 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+# Software prefetch hints of the tile kernel (gemv_bf16_tiles.h): 0 none, 1 NTA, 2 T0, 3 T1, 4 T2.
+PREFETCH_HINTS = {"none": 0, "nta": 1, "t0": 2, "t1": 3, "t2": 4}
+
+
+def set_prefetch(hint: str, dist: int = 1024) -> None:
+    """Prefetch the few-row tiles ``dist`` bytes ahead with ``hint`` (``"none"``: off, the
+    default), in this kernel and in decode_layer's whole layers (benchmarks compare them; the
+    results do not change)."""
+    code = PREFETCH_HINTS[hint]
+    if dist < 0:
+        raise ValueError("prefetch distance must be >= 0")
+    from llmtower.kernels import decode_layer
+
+    libs = [_lib()]
+    try:
+        libs.append(decode_layer._lib())
+    except KernelUnavailable:
+        pass
+    for lib in libs:
+        lib.gemv_bf16_tiles_set_prefetch.argtypes = [_INT, _I64]
+        lib.gemv_bf16_tiles_set_prefetch.restype = None
+        lib.gemv_bf16_tiles_set_prefetch(code, dist)
+
+
 def gemv_bf16_error() -> str | None:
     """Why the fast kernel cannot run here (no compiler, or no AVX512_BF16), or None."""
     try:

@@ -36,6 +36,17 @@ static void tile_portable(const uint16_t *x, int64_t x_stride, int rows, const u
         }
 }
 
+/* Software prefetch of the tile being read, `gemv_pf_dist` bytes ahead of the loads, with
+ * hint `gemv_pf_hint` (0: none, 1: NTA, 2: T0, 3: T1, 4: T2). Per shared object (each .so that
+ * includes this header has its own copy); benchmarks set it with gemv_bf16_tiles_set_prefetch. */
+static int gemv_pf_hint __attribute__((unused)) = 0;
+static int64_t gemv_pf_dist __attribute__((unused)) = 1024;
+void gemv_bf16_tiles_set_prefetch(int hint, int64_t dist);
+void gemv_bf16_tiles_set_prefetch(int hint, int64_t dist) {
+    gemv_pf_hint = hint;
+    gemv_pf_dist = dist;
+}
+
 #if HAVE_FAST
 /* One input pair of row r as a 32-bit broadcast; the odd K's last pair gets a zero partner. */
 static inline __m512bh pair_of(const uint16_t *xr, int64_t p, int64_t k) {
@@ -47,7 +58,7 @@ static inline __m512bh pair_of(const uint16_t *xr, int64_t p, int64_t k) {
 
 static inline __attribute__((always_inline)) void tile_fast(
         const uint16_t *x, int64_t x_stride, const int ROWS, const uint16_t *tile, int64_t k,
-        float *acc) {
+        float *acc, const int PF, int64_t pf_dist) {
     const int64_t pairs = (k + 1) / 2, full = k / 2;
     __m512 a[MAX_CHUNK][4];
     for (int r = 0; r < ROWS; r++)
@@ -57,6 +68,15 @@ static inline __attribute__((always_inline)) void tile_fast(
     int64_t p = 0;
     for (; p < full; p++) {
         const uint16_t *wp = tile + p * TILE * 2;
+        if (PF) { /* the pair's 4 lines, pf_dist bytes ahead (past the tile: the next one) */
+            const char *q = (const char *)wp + pf_dist;
+            for (int j = 0; j < 4; j++) {
+                if (PF == 1) _mm_prefetch(q + 64 * j, _MM_HINT_NTA);
+                else if (PF == 2) _mm_prefetch(q + 64 * j, _MM_HINT_T0);
+                else if (PF == 3) _mm_prefetch(q + 64 * j, _MM_HINT_T1);
+                else _mm_prefetch(q + 64 * j, _MM_HINT_T2);
+            }
+        }
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64);
@@ -88,12 +108,22 @@ static void tile_sums(const uint16_t *x, int64_t x_stride, int rows, const uint1
                       int64_t k, float *acc, int fast) {
 #if HAVE_FAST
     if (fast) {
-        switch (rows) {
-        case 1: tile_fast(x, x_stride, 1, tile, k, acc); return;
-        case 2: tile_fast(x, x_stride, 2, tile, k, acc); return;
-        case 3: tile_fast(x, x_stride, 3, tile, k, acc); return;
-        default: tile_fast(x, x_stride, 4, tile, k, acc); return;
+        const int64_t d = gemv_pf_dist;
+#define GEMV_ROWS(PF)                                                          \
+        switch (rows) {                                                        \
+        case 1: tile_fast(x, x_stride, 1, tile, k, acc, PF, d); return;        \
+        case 2: tile_fast(x, x_stride, 2, tile, k, acc, PF, d); return;        \
+        case 3: tile_fast(x, x_stride, 3, tile, k, acc, PF, d); return;        \
+        default: tile_fast(x, x_stride, 4, tile, k, acc, PF, d); return;       \
         }
+        switch (gemv_pf_hint) {
+        case 1: GEMV_ROWS(1)
+        case 2: GEMV_ROWS(2)
+        case 3: GEMV_ROWS(3)
+        case 4: GEMV_ROWS(4)
+        default: GEMV_ROWS(0)
+        }
+#undef GEMV_ROWS
     }
 #endif
     (void)fast;
