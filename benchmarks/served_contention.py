@@ -281,6 +281,11 @@ def _median(rows: list[dict], key: str) -> float:
 
 def main() -> None:
     args = parse_args()
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        # The neighbours would inherit a real-time policy (chrt -f) and starve the server
+        # and the client outright: a different experiment from "a busy process beside us".
+        raise SystemExit("served_contention.py: run it without chrt (its neighbour processes "
+                         "would inherit the real-time scheduling policy)")
     names = [n for n in args.neighbours.split(",") if n]
     bad = [n for n in names if n not in NEIGHBOURS]
     if bad:
