@@ -5,7 +5,8 @@ the KV of its context, so the weight-read floor of a step is bytes / DRAM read b
 This script measures both sides, in one process, taking turns so that the VM's memory-speed
 phases hit both alike:
 
-  * the probe: a C streaming read (AVX-512 / AVX2 loads summed into vector registers, no
+  * the probe, on ordinary 4 KiB pages and on the huge pages the engine's weights and KV
+    cache get (kernels/huge_pages.py; the decode ratio is taken against the latter): a C streaming read (AVX-512 / AVX2 loads summed into vector registers, no
     stores) over a buffer much larger than the L3 cache, with 1 and 2 OpenMP threads; numpy's
     ``sum`` over the same buffer as a fallback where there is no C compiler;
   * the decode step: a one-stream greedy request through the real EngineCore (bfloat16), each
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from llmtower.kernels.huge_pages import huge_page_bytes
 
 PROBE_C = r"""
 #include <stddef.h>
@@ -123,12 +126,25 @@ def build_probe() -> ctypes.CDLL | None:
 
 
 class Probe:
-    def __init__(self, mib: int) -> None:
+    """A streaming read over ``mib`` MiB: on huge pages where the engine's weights get them
+    (kernels/huge_pages.py), or (``huge=False``) on ordinary 4 KiB pages."""
+
+    def __init__(self, mib: int, huge: bool = True, lib: ctypes.CDLL | None = None) -> None:
         self.n = mib * 2**20
-        raw = np.ones(self.n + 4096, dtype=np.uint8)  # touched: no page faults in the timing
-        off = (-raw.ctypes.data) % 4096
-        self.buf = raw[off:off + self.n]
-        self.lib = build_probe()
+        if huge:
+            from llmtower.kernels.huge_pages import empty_on_huge_pages
+            import torch
+            self.buf = empty_on_huge_pages((self.n,), torch.uint8).numpy()
+            self.buf[:] = 1  # touched: no page faults in the timing
+        else:
+            # numpy advises its own large arrays for huge pages: off for this one.
+            from numpy._core.multiarray import _set_madvise_hugepage
+            was = _set_madvise_hugepage(False)
+            raw = np.ones(self.n + 4096, dtype=np.uint8)
+            _set_madvise_hugepage(was)
+            off = (-raw.ctypes.data) % 4096
+            self.buf = raw[off:off + self.n]
+        self.lib = lib if lib is not None else build_probe()
 
     def gbps(self, threads: int, reps: int = 3, nta: int = 0) -> float:
         """Best of ``reps`` full passes, GB/s (1e9 bytes)."""
@@ -237,9 +253,16 @@ def main() -> None:
     probe = Probe(args.buffer_mib)
     kind = "C streaming read" if probe.lib is not None else "numpy sum (no C compiler)"
     print(f"probe: {kind}, {args.buffer_mib} MiB buffer; load average {load0:.1f}")
+    small = Probe(args.buffer_mib, huge=False, lib=probe.lib)
+    hp = huge_page_bytes()
+    print(f"huge pages: {hp / 2**20:.0f} MiB of this process's memory" if hp is not None
+          else "huge pages: Linux does not say")
     for t in (1, 2):
-        vals = [probe.gbps(t) for _ in range(3)]
-        print(f"  {t} thread(s): {max(vals):6.1f} GB/s best, {statistics.median(vals):6.1f} median")
+        for name, p in (("4 KiB pages", small), ("huge pages", probe)):
+            vals = [p.gbps(t) for _ in range(3)]
+            print(f"  {t} thread(s), {name}: {max(vals):6.1f} GB/s best, "
+                  f"{statistics.median(vals):6.1f} median")
+    del small
     pt = args.threads or 2
     if probe.lib is not None:
         print(f"\nthe stream's effect on the host work after it ({pt} threads): "

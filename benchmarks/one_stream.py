@@ -8,6 +8,10 @@ ratio to the first variant, and the load average beside them (this machine is sh
 
     .venv/bin/python benchmarks/one_stream.py
     .venv/bin/python benchmarks/one_stream.py --variants float32:none,bfloat16:gguf --rounds 5
+    chrt -f 1 .venv/bin/python benchmarks/one_stream.py --variants bfloat16:none:4k,bfloat16:none
+
+A variant's third field ``4k`` builds that engine with huge pages off (kernels/huge_pages.py):
+its packed weights and KV cache on ordinary 4 KiB pages.
 
 Decode tok/s counts the steps after the first (prefill) one: 127 tokens over their wall time.
 
@@ -36,6 +40,7 @@ from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.factory import create_engine_core
+from llmtower.kernels import huge_pages
 
 
 def parse_args() -> argparse.Namespace:
@@ -233,12 +238,16 @@ def main() -> None:
         return
     variants = [tuple(v.split(":")) for v in args.variants.split(",")]
     cores: dict[tuple[str, ...], EngineCore] = {}
-    for dtype, quant in variants:
+    for dtype, quant, *pages in variants:
         t = time.perf_counter()
-        cores[(dtype, quant)] = create_engine_core(EngineArgs(
+        # A third field "4k": this engine's weights and KV cache on ordinary 4 KiB pages.
+        huge_pages.ENABLED = pages != ["4k"]
+        cores[(dtype, quant, *pages)] = create_engine_core(EngineArgs(
             model=args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
             kv_cache_memory="64MiB", enable_prefix_caching=False))
-        print(f"built {dtype}:{quant} in {time.perf_counter() - t:.1f} s", flush=True)
+        huge_pages.ENABLED = True
+        print(f"built {dtype}:{quant}{':' + pages[0] if pages else ''} in "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
     rng = np.random.default_rng(args.seed)
     vocab = next(iter(cores.values())).model_info.vocab_size  # type: ignore[union-attr]
     prompt = rng.integers(0, vocab, args.input_len).tolist()
@@ -254,14 +263,15 @@ def main() -> None:
           f"{args.threads or 'auto'}, "
           f"{args.rounds} rounds (median); load average {load0:.1f} -> {load1:.1f} "
           f"on {os.cpu_count()} CPUs")
-    print("| dtype | quantization | prefill ms | decode tok/s | decode vs first |")
-    print("|---|---|---|---|---|")
+    print("| dtype | quantization | pages | prefill ms | decode tok/s | decode vs first |")
+    print("|---|---|---|---|---|---|")
     base = None
-    for (dtype, quant), rs in results.items():
+    for (dtype, quant, *pages), rs in results.items():
         pre = statistics.median(x[0] for x in rs) * 1e3
         dec = statistics.median(x[1] for x in rs)
         base = base or dec
-        print(f"| {dtype} | {quant} | {pre:.0f} | {dec:.1f} | {dec / base:.2f}x |")
+        print(f"| {dtype} | {quant} | {pages[0] if pages else '2M'} | {pre:.0f} | {dec:.1f} "
+              f"| {dec / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ attention's per-request gathers, move whole blocks with one ``index_select``/``i
 """
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
 from llmtower.executor.kv_quant import bytes_per_token_head, row_width
 from llmtower.executor.swap_space import SlotSwapSpace
+from llmtower.kernels.huge_pages import empty_on_huge_pages
 from llmtower.models.config import ModelConfig
 
 
@@ -54,7 +52,7 @@ class KVCache:
                  row_width(config.head_dim, kv_dtype))
         # Zeroed, not empty: attention reads padding slots (masked out) and they must hold
         # finite numbers, since 0 * NaN would poison the weighted sum of values.
-        self.kv_caches = [_empty_on_huge_pages(shape, kv_dtype).zero_()
+        self.kv_caches = [empty_on_huge_pages(shape, kv_dtype).zero_()
                           for _ in range(config.num_hidden_layers)]
         cpu_shape = (2, num_cpu_blocks) + shape[2:]
         # Swap blocks are only read after they were written, so they may start uninitialized.
@@ -120,24 +118,3 @@ class KVCache:
         for s, d in zip(src_caches, dst_caches):
             # Gather first, then scatter: also right when a pair's source is another's target.
             d.index_copy_(1, dst, s.index_select(1, src))
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 * 2**20
-
-
-def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor whose memory asks Linux for transparent huge pages (before it
-    is first touched). Attention gathers blocks from all over the cache; with 4 KiB pages
-    every block costs a dozen TLB misses, and gathers run ~15% faster on 2 MiB pages.
-    Elsewhere, or when the kernel says no, it is a plain tensor."""
-    t = torch.empty(shape, dtype=dtype)
-    if sys.platform.startswith("linux") and t.nbytes >= 2 * _HUGE_PAGE:
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + t.nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-    return t

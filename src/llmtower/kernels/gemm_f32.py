@@ -16,6 +16,7 @@ import functools
 import torch
 
 from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.huge_pages import empty_streamed
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Gate (and up) rows per 32-column panel of a silu pair.
@@ -64,8 +65,8 @@ class GemmF32Weight:
         self._lib = _lib()
         weight = weight.contiguous()
         up = up.contiguous() if up is not None else None
-        self.packed = torch.empty(self._lib.gemm_f32_packed_numel(self.n, self.k, int(self.silu_pair)),
-                                  dtype=torch.float32)
+        self.packed = empty_streamed(
+            self._lib.gemm_f32_packed_numel(self.n, self.k, int(self.silu_pair)), torch.float32)
         self._lib.gemm_f32_pack(weight.data_ptr(), None if up is None else up.data_ptr(),
                                 self.n, self.k, self.packed.data_ptr())
         self._packed_ptr = self.packed.data_ptr()

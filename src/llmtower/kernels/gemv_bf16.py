@@ -16,6 +16,7 @@ import functools
 import torch
 
 from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.huge_pages import empty_streamed
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Rows of gate and of up per kernel tile (half of the kernel's 64 output columns).
@@ -74,7 +75,7 @@ def gemv_bf16_error() -> str | None:
 def _pack(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     lib = _lib()
-    out = torch.empty(lib.gemv_bf16_packed_numel(n, k), dtype=torch.bfloat16)
+    out = empty_streamed(lib.gemv_bf16_packed_numel(n, k), torch.bfloat16)
     lib.gemv_bf16_pack(w.data_ptr(), n, k, out.data_ptr())
     return out
 

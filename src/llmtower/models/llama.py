@@ -23,7 +23,8 @@ from llmtower.kernels.gemm_bf16 import gemm_bf16_error
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels import decode_layer as decode_layer_mod
-from llmtower.kernels.decode_layer import DecodeLayers, LayerParts, decode_layer_error
+from llmtower.kernels.decode_layer import (DecodeLayers, EndParts, LayerParts,
+                                           decode_layer_error)
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
@@ -114,11 +115,13 @@ class LlamaForCausalLM:
                                          * q_head.scale.to(QuantizedLinear.COMPUTE_DTYPE).float())
         else:
             # Its own packed copy when tied: the embedding lookup reads the plain table.
-            self.lm_head = _packed(self.lm_head)
+            plain = self.lm_head
+            self.lm_head = _packed(plain)
             if type(self.lm_head) is PackedWeight and self.lm_head.f32:
-                # The float32 decode kernel gains nothing on the output layer (measured level
-                # with oneDNN, docs/performance.md): not worth its copy (113 MB on SmolLM2).
-                self.lm_head = self.lm_head.onednn
+                # float32: the decode kernel's copy, on huge pages (one stream 1.12x against
+                # oneDNN's, docs/performance.md), and the plain matrix for a step that samples
+                # more rows than the kernel takes, rather than a third copy (113 MB on SmolLM2).
+                self.lm_head = PackedWeight(plain, self.lm_head.gemv)
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
@@ -151,9 +154,21 @@ class LlamaForCausalLM:
             o, gate, down, qkv = few_row
             parts.append(LayerParts(o, cur.o_bias, cur.post_norm, gate, down, nxt.input_norm,
                                     qkv, nxt.qkv_bias))
+        # The step's two ends (DecodeLayers.step): layer 0's norm and qkv, the last layer's
+        # rest, the final norm and the output layer where linear() takes its decode-kernel
+        # copy (else the output layer stays with _logits).
+        first, last = self.layers[0], self.layers[-1]
+        ends = None
+        end_mats = [m.gemv for m in (first.qkv, last.o_proj, last.gate, last.down)
+                    if type(m) is PackedWeight and isinstance(m.gemv, kernel)]
+        if len(end_mats) == 4 and end_mats[2].silu_pair:
+            head = self.lm_head.gemv if type(self.lm_head) is PackedWeight else None
+            ends = EndParts(first.input_norm, end_mats[0], first.qkv_bias, end_mats[1],
+                            last.o_bias, last.post_norm, end_mats[2], end_mats[3], self.norm,
+                            head if isinstance(head, kernel) and head.path == 0 else None)
         c = self.config
         return DecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
-                            self.num_kv_heads, self.head_dim, self.eps, self.dtype)
+                            self.num_kv_heads, self.head_dim, self.eps, self.dtype, ends)
 
     def _kernel_rows(self) -> int:
         """Most rows for which every product of a step takes a decode-step kernel
@@ -245,7 +260,6 @@ class LlamaForCausalLM:
         want_k = any(p.num_computed == 0 for p in meta.prefills)
         cos, sin = self.rope.tables()
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         last = len(self.layers) - 1
         # A decode step (no prefill) whose products take the decode-step kernel: layer i's
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
@@ -263,6 +277,14 @@ class LlamaForCausalLM:
         whole = dl is not None and dl.attends and attn.backend == "c" and db is not None \
             and db.query_start is None and db.num_rows == t and not meta.prefills \
             and not meta.decode_groups and last > 1
+        if whole and dl is not None and dl.whole_steps:
+            assert db is not None
+            # All of it in one C call, the output layer too in bfloat16 (bit for bit the
+            # calls below).
+            out, is_logits = dl.step(h, kv_caches, db, attn.block_size, attn.scale,
+                                     logits_indices)
+            return out if is_logits else self._logits(out)
+        x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         c_until = 0  # layers below this ran whole in C
         for i, layer in enumerate(self.layers):
             if i < c_until:

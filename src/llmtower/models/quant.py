@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels.huge_pages import to_huge_pages
 from llmtower.models.linear import linear
 
 QuantKind = Literal["int4", "int8"]
@@ -154,13 +155,14 @@ class QuantizedLinear:
                                  f"(rows in multiples of {_INT4_ROW_MULTIPLE}, columns of "
                                  f"{t.group_size})")
             assert t.zero is not None
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                t.q.to(torch.int32).contiguous(), 1)
+            # On huge pages, as the float kernels' weights (kernels/huge_pages.py).
+            self.weight = to_huge_pages(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                t.q.to(torch.int32).contiguous(), 1))
             # [K // group, N, 2]: (scale, zero) of each group of each output channel.
             self.scales = torch.stack([t.scale.t(), t.zero.t()], dim=-1).to(cd).contiguous()
         else:
             self._k_pad = -self.in_features % _INT8_COLUMN_MULTIPLE  # int8 only
-            self.weight = F.pad(t.q, (0, self._k_pad)).contiguous()
+            self.weight = to_huge_pages(F.pad(t.q, (0, self._k_pad)).contiguous())
             self.scales = t.scale.view(-1).to(cd).contiguous()
 
     @property
