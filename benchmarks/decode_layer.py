@@ -1,11 +1,14 @@
-"""The fused decode layer (``kernels/decode_layer.c``) off, per layer, and whole (layers 1..L-2
-in one C call, attention included), in one process and one engine: the settings take turns, so
-a noisy neighbour hits all alike.
+"""The fused decode layer (``kernels/decode_layer.c``) off, per layer, whole (layers 1..L-2
+in one C call, attention included) and whole step (a pure one-row decode step in one C call:
+layer 0's qkv through the final norm and, where it has the decode kernel's copy, the output
+layer), in one process and one engine: the settings take turns, so a noisy neighbour hits all
+alike.
 
 Workloads:
   one-stream  the anchors harness's one-stream recipe (one 144-token prompt of random ids, 128
               output tokens, greedy, min_tokens = max_tokens, EOS ignored), ``LLM.generate``
-              timed end to end per run;
+              timed end to end per run, and the median engine step after the first (decode
+              ms per step);
   throughput  ``llmtower bench throughput``'s default (64 prompts of 32-256 random tokens, 128
               output tokens, greedy, EOS ignored), the engine stepped until all are done;
   layers      no engine: 30 layers of SmolLM2's shapes (random weights) after their attention,
@@ -18,6 +21,7 @@ separate kernels do).
 
     chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype float32 --workload throughput
     chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype bfloat16 --rounds 4
+    chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --settings "whole,whole step" --rounds 10
     chrt -f 1 .venv/bin/python benchmarks/decode_layer.py --dtype float32 --workload layers --rows 64
 """
 from __future__ import annotations
@@ -38,10 +42,11 @@ from llmtower.engine.factory import create_engine_core
 from llmtower.kernels import decode_layer as DL
 from llmtower.models.default_model import default_model_dir
 
-# setting -> (DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV)
-SETTINGS = {"off": (0, False, False), "per layer": (DL.MAX_ROWS, False, False),
-            "whole, no KV prefetch": (DL.MAX_ROWS, True, False),
-            "whole": (DL.MAX_ROWS, True, True)}
+# setting -> (DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV, DL.WHOLE_STEP)
+SETTINGS = {"off": (0, False, False, False), "per layer": (DL.MAX_ROWS, False, False, False),
+            "whole, no KV prefetch": (DL.MAX_ROWS, True, False, False),
+            "whole": (DL.MAX_ROWS, True, True, False),
+            "whole step": (DL.MAX_ROWS, True, True, True)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="comma-separated settings to compare (the first is the baseline)")
     return p.parse_args()
 
 
@@ -73,11 +80,22 @@ def one_stream(args: argparse.Namespace, model: str):  # type: ignore[no-untyped
                         min_tokens=args.output_len, ignore_eos=True, seed=0)
     llm.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
+    core = llm.engine_core
+    real_step = core.step
+    steps: list[float] = []
 
-    def run() -> tuple[int, list[int]]:
+    def timed_step():  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        out = real_step()
+        steps.append(time.perf_counter() - t)
+        return out
+    core.step = timed_step  # type: ignore[method-assign]
+
+    def run() -> tuple[int, list[int], float | None]:
+        steps.clear()
         out = llm.generate([prompt], sp, use_tqdm=False)
         ids = list(out[0].outputs[0].token_ids)
-        return len(ids), ids
+        return len(ids), ids, statistics.median(steps[1:]) * 1e3
     return run
 
 
@@ -102,12 +120,12 @@ def throughput(args: argparse.Namespace, model: str):  # type: ignore[no-untyped
     core.step = step  # type: ignore[method-assign]
     count = [0]
 
-    def run() -> tuple[int, list[int]]:
+    def run() -> tuple[int, list[int], float | None]:
         core.reset_prefix_cache()
         ids.clear()
         count[0] += 1
         _, n = run_engine(core, prompts, sp, f"run{count[0]}")
-        return n, sorted(ids)
+        return n, sorted(ids), None
     return run
 
 
@@ -175,21 +193,27 @@ def main() -> None:
         return
     model = args.model or str(default_model_dir())
     run = (one_stream if args.workload == "one-stream" else throughput)(args, model)
-    rates: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    chosen = [s.strip() for s in args.settings.split(",")]
+    rates: dict[str, list[float]] = {k: [] for k in chosen}
+    step_ms: dict[str, list[float]] = {k: [] for k in chosen}
     tokens: dict[str, list[int]] = {}
     load0 = os.getloadavg()[0]
     for _ in range(args.rounds):
-        for name, (rows, whole, prefetch) in SETTINGS.items():
-            DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV = rows, whole, prefetch
+        for name in chosen:
+            DL.MAX_ROWS, DL.WHOLE_LAYERS, DL.PREFETCH_KV, DL.WHOLE_STEP = SETTINGS[name]
             t = time.perf_counter()
-            n, tokens[name] = run()
+            n, tokens[name], ms = run()
             rates[name].append(n / (time.perf_counter() - t))
+            if ms is not None:
+                step_ms[name].append(ms)
     print(f"{args.dtype}, {args.workload}, {args.threads} threads, {args.rounds} rounds; "
           f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    base = statistics.median(rates["off"])
+    base = statistics.median(rates[chosen[0]])
     for name, r in rates.items():
         med = statistics.median(r)
-        print(f"{name:>22}: {med:6.1f} output tok/s ({med / base:.2f}x)  runs: "
+        dec = (f", decode {statistics.median(step_ms[name]):.3f} ms/step (runs: "
+               + ", ".join(f"{x:.2f}" for x in step_ms[name]) + ")") if step_ms[name] else ""
+        print(f"{name:>22}: {med:6.1f} output tok/s ({med / base:.2f}x){dec}  runs: "
               + ", ".join(f"{x:.1f}" for x in r))
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(f"greedy tokens the same in all settings: {same}")

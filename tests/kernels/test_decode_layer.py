@@ -28,8 +28,9 @@ needs_bf16 = pytest.mark.skipif(decode_layer_error(torch.bfloat16) is not None,
 needs_f32 = pytest.mark.skipif(decode_layer_error(torch.float32) is not None,
                                reason=f"no fused float32 layer here: "
                                       f"{decode_layer_error(torch.float32)}")
-# The unwrapped methods (each run below wraps them afresh to record what they see).
-_REAL_LOGITS, _REAL_LAYER = llama.LlamaForCausalLM._logits, DecodeLayers.layer
+# test modes -> (DL.WHOLE_STEP, DL.WHOLE_LAYERS): the whole step in one C call; layers
+# 1 .. L-2 whole in C; one fused call per layer after a Python attention
+MODES = {"step": (True, True), "layers": (False, True), "per_layer": (False, False)}
 
 
 @pytest.fixture(scope="module")
@@ -59,46 +60,65 @@ def _run(model_dir: Path, prompts: list[list[int]], threads: int, monkeypatch,
     fused layer."""
     logits: list[torch.Tensor] = []
     fused_rows: list[int] = []
+    # what the test itself wrapped, less an earlier run's recorders
+    real_call = getattr(llama.LlamaForCausalLM.__call__, "inner", llama.LlamaForCausalLM.__call__)
+    real_begin = getattr(DecodeLayers.begin_step, "inner", DecodeLayers.begin_step)
 
-    def record_logits(self, x):
-        out = _REAL_LOGITS(self, x)
+    def record_logits(self, *args):
+        out = real_call(self, *args)
         logits.append(out.clone())
         return out
 
-    def record_layer(self, i, h, attn_out, kv_cache):
-        if i == 0:
-            fused_rows.append(h.shape[0])
-        return _REAL_LAYER(self, i, h, attn_out, kv_cache)
+    def record_begin(self, t, *args):
+        fused_rows.append(t)
+        return real_begin(self, t, *args)
 
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_logits", record_logits)
-    monkeypatch.setattr(DecodeLayers, "layer", record_layer)
+    record_logits.inner, record_begin.inner = real_call, real_begin  # type: ignore[attr-defined]
+    monkeypatch.setattr(llama.LlamaForCausalLM, "__call__", record_logits)
+    monkeypatch.setattr(DecodeLayers, "begin_step", record_begin)
     core = make_engine(model_dir, dtype=dtype, num_threads=threads, **engine_kw)
     add_greedy(core, prompts, 12)
     return run_all(core), logits, fused_rows
 
 
-@needs_bf16
-@pytest.mark.parametrize("n, threads, whole", [(1, 1, True), (1, 2, False), (3, 2, True),
-                                              (3, 1, False), (9, 2, True), (64, 2, True),
-                                              (200, 1, False), (300, 2, True)])
-def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads,
-                                                       whole):
-    """``whole``: layers 1 .. L-2 run whole in C (attention included), else one fused call
-    per layer after a Python attention. Steps of up to 8 rows take the few-row tiles, larger
-    ones gemm_bf16's (where it runs; else they keep oneDNN and the separate calls), and steps
-    of more than 256 rows the separate calls."""
-    prompts = random_prompts(n, 3, 20, seed=n)
-    max_rows = linear_mod.GEMV_MAX_ROWS if gemm_bf16_error() is not None \
-        else linear_mod.BF16_KERNEL_MAX_ROWS
-    monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
+def _record_spans(monkeypatch) -> tuple[list[tuple[int, int]], list[int]]:
+    """The (first, count) of every attend_and_layers call and the rows of every step call."""
     spans: list[tuple[int, int]] = []
-    real_span = DecodeLayers.attend_and_layers
+    steps: list[int] = []
+    real_span, real_step = DecodeLayers.attend_and_layers, DecodeLayers.step
 
     def record_span(self, first, count, *args):
         spans.append((first, count))
         return real_span(self, first, count, *args)
 
+    def record_step(self, h, *args):
+        steps.append(h.shape[0])
+        return real_step(self, h, *args)
+
     monkeypatch.setattr(DecodeLayers, "attend_and_layers", record_span)
+    monkeypatch.setattr(DecodeLayers, "step", record_step)
+    return spans, steps
+
+
+@needs_bf16
+@pytest.mark.parametrize("n, threads, mode", [
+    (1, 1, "step"), (1, 2, "layers"), (1, 2, "per_layer"), (3, 2, "step"), (3, 1, "per_layer"),
+    (7, 2, "step"), (9, 2, "layers"), (9, 1, "step"), (64, 2, "step"), (200, 1, "per_layer"),
+    (300, 2, "step")])
+def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatch, n, threads,
+                                                       mode):
+    """``mode`` (MODES): the whole step in one C call (the output layer included), layers
+    1 .. L-2 whole in C (attention included), or one fused call per layer after a Python
+    attention. Steps of up to 8 rows take the few-row tiles, larger ones gemm_bf16's (where
+    it runs; else they keep oneDNN and the separate calls), and steps of more than 256 rows
+    the separate calls."""
+    prompts = random_prompts(n, 3, 20, seed=n)
+    max_rows = linear_mod.GEMV_MAX_ROWS if gemm_bf16_error() is not None \
+        else linear_mod.BF16_KERNEL_MAX_ROWS
+    whole_step, whole = MODES[mode]
+    monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
+    monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
+    spans, steps = _record_spans(monkeypatch)
     kw = dict(num_gpu_blocks=4096, max_num_batched_tokens=8192, max_num_seqs=512)  # 1 prefill
     tokens, logits, fused_rows = _run(odd_qwen2_dir, prompts, threads, monkeypatch, **kw)
     monkeypatch.setattr(DL, "MAX_ROWS", 0)  # off: the separate kernels of every op
@@ -107,8 +127,10 @@ def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatc
     # Every decode step of up to max_rows rows took it (11 after the prefill: 12 tokens
     # each); prefills and larger steps did not.
     assert fused_rows == ([] if n > max_rows else [n] * 11)
-    # Four layers: layer 0 and 3 from Python, 1 and 2 whole in C.
-    assert spans == ([(1, 2)] * 11 if whole and n <= max_rows else [])
+    # Four layers: the whole step in C, or layer 0 and 3 from Python, 1 and 2 whole in C.
+    fused = n <= max_rows
+    assert steps == ([n] * 11 if mode == "step" and fused else [])
+    assert spans == ([(1, 2)] * 11 if mode == "layers" and fused else [])
     assert tokens == tokens_off
     assert len(logits) == len(logits_off)
     for a, b in zip(logits, logits_off):
@@ -195,24 +217,32 @@ def tied_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:  # noqa: F811
 
 
 @needs_f32
-@pytest.mark.parametrize("model, n, threads, whole", [
-    ("odd_qwen2_dir", 1, 1, True), ("odd_qwen2_dir", 7, 2, False), ("odd_qwen2_dir", 64, 2, True),
-    ("odd_qwen2_dir", 200, 1, True), ("tied_llama_dir", 7, 1, True),
-    ("tied_llama_dir", 64, 2, False)])
+@pytest.mark.parametrize("model, n, threads, mode", [
+    ("odd_qwen2_dir", 1, 1, "step"), ("odd_qwen2_dir", 1, 2, "layers"),
+    ("odd_qwen2_dir", 7, 2, "per_layer"), ("odd_qwen2_dir", 7, 1, "step"),
+    ("odd_qwen2_dir", 64, 2, "step"), ("odd_qwen2_dir", 200, 1, "layers"),
+    ("tied_llama_dir", 1, 2, "step"), ("tied_llama_dir", 7, 1, "layers"),
+    ("tied_llama_dir", 64, 2, "per_layer")])
 def test_float32_logits_equal_the_separate_kernels_bit_for_bit(request, monkeypatch, model, n,
-                                                               threads, whole):
+                                                               threads, mode):
     """float32 decode steps of 1 to 200 rows (mixed context lengths), Qwen2 with biases and
-    odd sizes, Llama tied; ``whole`` as for bfloat16. Fused and unfused take the same kernels,
+    odd sizes, Llama tied; ``mode`` as for bfloat16. Fused and unfused take the same kernels,
     so the logits (and tokens) are equal bit for bit."""
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts(n, 3, 30, seed=n)
+    whole_step, whole = MODES[mode]
+    monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
     monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
+    spans, steps = _record_spans(monkeypatch)
     kw = dict(dtype="float32", num_gpu_blocks=2048, max_num_batched_tokens=8192)  # 1 prefill
     tokens, logits, fused_rows = _run(model_dir, prompts, threads, monkeypatch, **kw)
     monkeypatch.setattr(DL, "MAX_ROWS", 0)
     tokens_off, logits_off, fused_off = _run(model_dir, prompts, threads, monkeypatch, **kw)
     assert fused_off == []
     assert fused_rows == [n] * 11  # every decode step after the prefill
+    layers = 4 if model == "odd_qwen2_dir" else 3
+    assert steps == ([n] * 11 if mode == "step" else [])
+    assert spans == ([(1, layers - 2)] * 11 if mode == "layers" else [])
     assert tokens == tokens_off
     assert len(logits) == len(logits_off)
     for a, b in zip(logits, logits_off):
@@ -247,3 +277,72 @@ def test_float32_steps_with_a_prefill_take_the_separate_kernels(odd_qwen2_dir, m
     assert all(fused != prefill for prefill, fused in steps)
     assert tokens == tokens_off
     assert all(torch.equal(a, b) for a, b in zip(logits, logits_off, strict=True))
+
+
+def _direct_step(model_dir: Path, dtype: torch.dtype, t: int, rows: list[int], whole_step: bool,
+                 monkeypatch, bad_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pure decode step of ``t`` requests (random caches, contexts of 1 to 40 tokens)
+    through the model's forward, sampling ``rows``: (logits, layer 0's and the last layer's
+    caches after it)."""
+    from llmtower.executor.kv_cache import KVCache
+    from llmtower.models.attention import AttentionMetadata, DecodeBatch, PagedAttention
+    from llmtower.models.loader import load_model_config, load_state_dict
+    monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
+    cfg = load_model_config(model_dir)
+    model = llama.LlamaForCausalLM(cfg, load_state_dict(model_dir, dtype), dtype, 64)
+    bs, nb = 4, 128
+    kv = KVCache(cfg, num_blocks=nb, num_cpu_blocks=0, block_size=bs, dtype=dtype)
+    g = torch.Generator().manual_seed(t)
+    for c in kv.kv_caches:
+        c.copy_(torch.randn(c.shape, generator=g).to(dtype))
+    lens = torch.randint(1, 41, (t,), generator=g)
+    tables = torch.randperm(nb, generator=g)[:t * 10].view(t, 10).contiguous()
+    if bad_table:  # a block before the new token's, past the cache
+        lens[0] = 20
+        tables[0, 0] = nb
+    pos = lens - 1
+    slots = tables.gather(1, (pos // bs).view(t, 1)).view(t) * bs + pos % bs
+    attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, bs,
+                          dtype, gather_buffer_blocks=16, backend="c")
+    meta = AttentionMetadata(t, slots, decodes=DecodeBatch(t, tables, lens))
+    ids = torch.randint(3, cfg.vocab_size, (t,), generator=g)
+    logits = model(ids, pos, kv.kv_caches, attn, meta, torch.tensor(rows, dtype=torch.int64))
+    return logits, torch.stack([kv.kv_caches[0], kv.kv_caches[-1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t, rows", [(5, [3, 0, 4]), (4, [1, 0, 3, 2]), (12, [11, 2]),
+                                     (1, [0])])
+def test_whole_step_samples_any_rows_bit_for_bit(odd_qwen2_dir, monkeypatch, dtype, t, rows):
+    """The whole step in C, sampling a subset of the rows or all of them out of order (its
+    gathered path), equals the step with layer 0 and the last layer in Python bit for bit,
+    logits and written K/V alike."""
+    if decode_layer_error(dtype) is not None:
+        pytest.skip(f"no fused {dtype} layer here")
+    steps: list[int] = []
+    real_step = DecodeLayers.step
+
+    def record_step(self, h, *args):
+        steps.append(h.shape[0])
+        return real_step(self, h, *args)
+
+    monkeypatch.setattr(DecodeLayers, "step", record_step)
+    logits, caches = _direct_step(odd_qwen2_dir, dtype, t, rows, True, monkeypatch)
+    assert steps == [t]
+    ref, ref_caches = _direct_step(odd_qwen2_dir, dtype, t, rows, False, monkeypatch)
+    assert steps == [t]
+    assert logits.shape == (len(rows), 512) and logits.dtype == torch.float32
+    assert torch.equal(logits, ref)
+    assert torch.equal(caches, ref_caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_step_refuses_bad_tables_and_rows(odd_qwen2_dir, monkeypatch, dtype):
+    if decode_layer_error(dtype) is not None:
+        pytest.skip(f"no fused {dtype} layer here")
+    with pytest.raises(ValueError, match="block ids"):
+        _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2], True, monkeypatch, bad_table=True)
+    with pytest.raises(ValueError, match="sampled rows must be in 0..2"):
+        _direct_step(odd_qwen2_dir, dtype, 3, [0, 3], True, monkeypatch)
+    with pytest.raises(ValueError, match="1 to 3 of them"):
+        _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2, 0], True, monkeypatch)

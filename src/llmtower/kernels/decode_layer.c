@@ -227,3 +227,141 @@ int decode_layers(const DecodeLayerWeights *w, const DecodeStep *s, const Decode
     }
     return 0;
 }
+
+/* The two ends of a pure one-row decode step, for decode_step: layer 0's input norm and qkv
+ * (the embedding rows come in as h), the last layer's work after its attention, the model's
+ * final norm and (bfloat16) the output layer. Vectors in the step's dtype, matrices in its
+ * kernel layout. */
+typedef struct {
+    const void *first_norm, *first_qkv, *first_qkv_bias;
+    const void *o, *o_bias, *post_norm, *gate_up, *down, *final_norm;
+    const void *head; /* [vocab, hidden] in the kernel layout, or NULL: Python's */
+    int64_t vocab;
+} DecodeEnds;
+
+/* One step's sampled rows (the step's logits_indices) and where their results go. */
+typedef struct {
+    const int64_t *rows;
+    int64_t m;
+    void *h_rows, *attn_rows; /* scratch [m, hidden] and [m, nh * d]: the rows gathered */
+    void *out;                /* [m, hidden]: the final norm's rows */
+    void *logits_bf16;        /* [m, vocab] the output layer's bfloat16 results (bf16 head) */
+    float *logits;            /* [m, vocab] those as float32 (head only) */
+} DecodeTail;
+
+/* Layer 0 up to its attention: n = input_norm * rmsnorm(h), its qkv, RoPE, K/V written, q to
+ * q_out (as fused_ops' add_rms_norm and rope_kv_write after the qkv product). */
+static inline __attribute__((always_inline)) void first_body(
+        const DecodeEnds *e, const DecodeStep *s, void *h, void *k_cache, void *v_cache,
+        const int BF16) {
+    const int64_t t = s->t, hid = s->hidden, qkv_n = (s->nh + 2 * s->nkv) * s->d;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t; r++)
+        add_rms_norm_row(h, NULL, e->first_norm, s->n, r, hid, s->eps, BF16);
+    product(s->n, t, hid, e->first_qkv, qkv_n, hid, e->first_qkv_bias, s->qkv, qkv_n, 0, BF16,
+            NULL, 0, 0, 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < t; r++)
+        rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
+                    s->slots, k_cache, v_cache, s->q_out, NULL, BF16);
+}
+
+/* The last layer after its attention, for the sampled rows only (gathered first unless they
+ * are all rows in order: `gather`): o projection, residual + post norm, MLP, residual + the
+ * final norm into tail->out, then (head) the output layer and its float32 copy. */
+static inline __attribute__((always_inline)) void last_body(
+        const DecodeEnds *e, const DecodeStep *s, const DecodeTail *tl, void *h,
+        const void *attn_out, int gather, const int BF16) {
+    const int64_t m = tl->m, hid = s->hidden, qd = s->nh * s->d;
+    const size_t es = BF16 ? 2 : 4;
+    const void *ao = attn_out;
+    void *hr = h;
+    if (gather) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            memcpy((char *)tl->attn_rows + r * qd * es, (const char *)attn_out + tl->rows[r] * qd * es,
+                   qd * es);
+            memcpy((char *)tl->h_rows + r * hid * es, (const char *)h + tl->rows[r] * hid * es,
+                   hid * es);
+        }
+        ao = tl->attn_rows;
+        hr = tl->h_rows;
+    }
+    product(ao, m, qd, e->o, hid, qd, e->o_bias, s->x, hid, 0, BF16, e->gate_up, s->inter, hid,
+            1);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        add_rms_norm_row(hr, s->x, e->post_norm, s->n, r, hid, s->eps, BF16);
+    product(s->n, m, hid, e->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, e->down, hid,
+            s->inter, 0);
+    product(s->y, m, s->inter, e->down, hid, s->inter, NULL, s->x, hid, 0, BF16, NULL, 0, 0, 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        add_rms_norm_row(hr, s->x, e->final_norm, tl->out, r, hid, s->eps, BF16);
+    if (e->head && BF16) {
+        product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits_bf16, e->vocab, 0, BF16,
+                NULL, 0, 0, 0);
+        const int64_t total = m * e->vocab;
+        const uint16_t *src = tl->logits_bf16;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < total; i++) tl->logits[i] = bf16_to_f32(src[i]);
+    } else if (e->head) {
+        product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits, e->vocab, 0, BF16,
+                NULL, 0, 0, 0);
+    }
+}
+
+static void first_bf16(const DecodeEnds *e, const DecodeStep *s, void *h, void *kc, void *vc) {
+    first_body(e, s, h, kc, vc, 1);
+}
+
+static void first_f32(const DecodeEnds *e, const DecodeStep *s, void *h, void *kc, void *vc) {
+    first_body(e, s, h, kc, vc, 0);
+}
+
+static void last_bf16(const DecodeEnds *e, const DecodeStep *s, const DecodeTail *tl, void *h,
+                      const void *ao, int gather) {
+    last_body(e, s, tl, h, ao, gather, 1);
+}
+
+static void last_f32(const DecodeEnds *e, const DecodeStep *s, const DecodeTail *tl, void *h,
+                     const void *ao, int gather) {
+    last_body(e, s, tl, h, ao, gather, 0);
+}
+
+/* A whole pure one-row decode step of num_layers >= 2 layers: layer 0's norm, qkv, RoPE and
+ * K/V write over h (the embedding rows, the residual stream, updated in place), every layer's
+ * attention and the work between them (decode_layers), and the last layer's rest with the
+ * final norm for the sampled rows, and (e->head) the output layer: three OpenMP regions
+ * beside the attentions. Tables and lengths checked by the caller. Returns 0, paged_decode's
+ * nonzero code, 1 for bad sizes, 2 for a sampled row outside 0..t-1. */
+int decode_step(const DecodeLayerWeights *w, const DecodeEnds *e, const DecodeStep *s,
+                const DecodeAttention *a, const DecodeTail *tl, void *h, void *const *k_caches,
+                void *const *v_caches, int64_t num_layers) {
+    if (s->t <= 0 || s->hidden <= 0 || s->inter <= 0 || s->d <= 0 || s->d % 2
+            || num_layers < 2 || tl->m <= 0 || tl->m > s->t)
+        return 1;
+    int gather = tl->m != s->t;
+    for (int64_t r = 0; r < tl->m; r++) {
+        if (tl->rows[r] < 0 || tl->rows[r] >= s->t) return 2;
+        if (tl->rows[r] != r) gather = 1;
+    }
+    const int64_t qd = s->nh * s->d, last = num_layers - 1;
+#pragma omp parallel num_threads(s->num_threads) if (s->num_threads > 1)
+    {
+        if (s->bf16) first_bf16(e, s, h, k_caches[0], v_caches[0]);
+        else first_f32(e, s, h, k_caches[0], v_caches[0]);
+    }
+    int rc = decode_layers(w, s, a, h, k_caches, v_caches, 0, last);
+    if (rc) return rc;
+    rc = a->fn(s->q_out, qd, k_caches[last], v_caches[last], a->block_tables, a->bt_stride,
+               a->context_lens, a->out, s->t, s->nh, s->nkv, s->d, a->block_size, a->scale,
+               s->bf16 ? 1 : 0, s->num_threads);
+    if (rc) return rc;
+#pragma omp parallel num_threads(s->num_threads) if (s->num_threads > 1)
+    {
+        if (s->bf16) last_bf16(e, s, tl, h, a->out, gather);
+        else last_f32(e, s, tl, h, a->out, gather);
+    }
+    return 0;
+}

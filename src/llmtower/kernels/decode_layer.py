@@ -17,7 +17,7 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from llmtower.kernels import paged_attention
 from llmtower.kernels.build import KernelUnavailable, load
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
+
+if TYPE_CHECKING:
+    from llmtower.models.attention import DecodeBatch
 
 _P = ctypes.c_void_p
 # Most rows a step may have for the fused path, beside the limit of the products' kernel
@@ -36,6 +39,10 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Whether pure one-row decode steps run layers 1 .. L-2 whole in C, attention included
 # (``attend_and_layers``); False: one call per layer after a Python attention (benchmarks).
 WHOLE_LAYERS = True
+# Whether pure one-row decode steps run whole in one C call (``DecodeLayers.step``: layer 0's
+# qkv, every attention and layer, the last layer's rest, the final norm and, in bfloat16, the
+# output layer); False: layer 0 and the last layer from Python around ``attend_and_layers``.
+WHOLE_STEP = True
 # Whether whole layers prefetch the next attention's K/V blocks in the float32 products' spare
 # steps (decode_layer.c, ``decode_layer_prefetch_kv``); False: not (benchmarks compare).
 PREFETCH_KV = True
@@ -67,6 +74,22 @@ class DecodeAttention(ctypes.Structure):
                 ("out", _P)]
 
 
+class DecodeEnds(ctypes.Structure):
+    """The two ends of a step for ``decode_step``: layer 0's input norm and qkv, the last
+    layer's o projection, post norm and MLP, the final norm, the output layer (or NULL)."""
+
+    _fields_ = [(n, _P) for n in ("first_norm", "first_qkv", "first_qkv_bias", "o", "o_bias",
+                                  "post_norm", "gate_up", "down", "final_norm", "head")] \
+        + [("vocab", ctypes.c_int64)]
+
+
+class DecodeTail(ctypes.Structure):
+    """One step's sampled rows and the buffers of their results."""
+
+    _fields_ = [("rows", _P), ("m", ctypes.c_int64), ("h_rows", _P), ("attn_rows", _P),
+                ("out", _P), ("logits_bf16", _P), ("logits", _P)]
+
+
 # paged_attention.py's declaration of paged_decode that decode_layer.c calls by address;
 # if that declaration changes, the address is not used (each layer's attention then runs from
 # Python) rather than called with the wrong arguments.
@@ -94,6 +117,8 @@ def _lib() -> ctypes.CDLL:
     lib.decode_layer.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
+    lib.decode_step.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]
+    lib.decode_step.restype = ctypes.c_int
     lib.decode_layer_vector_exp.argtypes = [ctypes.c_int]
     lib.decode_layer_vector_exp.restype = None
     return lib
@@ -133,7 +158,7 @@ class DecodeLayers:
 
     def __init__(self, layers: Sequence[LayerParts], hidden: int, intermediate: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, ends: EndParts | None = None) -> None:
         err = decode_layer_error(dtype)
         if err is not None:
             raise ValueError(f"the fused decode layer cannot run: {err}")
@@ -159,17 +184,35 @@ class DecodeLayers:
         self._attn_ptr = ctypes.addressof(self._attn)
         self._out = torch.empty(0)
         self._cache_key: tuple[int, ...] = ()
+        self._cache_blocks = self._cache_block_size = 0
         self._cache_ptrs = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
         self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
                                 nkv=num_kv_heads, d=head_dim, eps=eps, bf16=DTYPES[dtype])
         self._step_ptr = ctypes.addressof(self._step)
         self._step_tensors: tuple[torch.Tensor, ...] = ()
         self._q = self._v = torch.empty(0)
+        self._step_fn = lib.decode_step
+        self._ends_keep = ends
+        self._ends = self._describe_ends(ends) if ends is not None else None
+        self.vocab = 0 if ends is None or ends.head is None else ends.head.n
+        self._tail = DecodeTail()
+        self._tail_ptr = ctypes.addressof(self._tail)
+        self._scratch = torch.empty(0, dtype=dtype)
+        self._scratch_rows = 0
 
     def _describe(self, p: LayerParts) -> DecodeLayerWeights:
         h, i, qd = self.hidden, self.inter, self.nh * self.d
         want = ((p.o, h, qd, False), (p.gate_up, i, h, True), (p.down, h, i, False),
                 (p.qkv, self.qkv_n, h, False))
+        self._check_matrices(want)
+        self._check_vectors(((p.post_norm, h), (p.next_norm, h), (p.o_bias, h),
+                             (p.qkv_bias, self.qkv_n)))
+        return DecodeLayerWeights(
+            p.o.packed.data_ptr(), _ptr(p.o_bias), p.post_norm.data_ptr(),
+            p.gate_up.packed.data_ptr(), p.down.packed.data_ptr(), p.next_norm.data_ptr(),
+            p.qkv.packed.data_ptr(), _ptr(p.qkv_bias))
+
+    def _check_matrices(self, want: Sequence[tuple[Any, int, int, bool]]) -> None:
         for g, n, k, pair in want:
             if not isinstance(g, self._kernel):
                 raise TypeError(f"fused decode layer: {self.dtype} takes "
@@ -177,16 +220,110 @@ class DecodeLayers:
             if (g.n, g.k, g.silu_pair, g.path) != (n, k, pair, 0):
                 raise ValueError(f"fused decode layer: a matrix is [{g.n}, {g.k}] (gate/up pair "
                                  f"{g.silu_pair}), expected [{n}, {k}] (pair {pair})")
-        vectors = ((p.post_norm, h), (p.next_norm, h), (p.o_bias, h), (p.qkv_bias, self.qkv_n))
+
+    def _check_vectors(self, vectors: Sequence[tuple[torch.Tensor | None, int]]) -> None:
         for v, n in vectors:
             if v is not None and (v.dtype != self.dtype or not v.is_contiguous()
                                   or v.numel() != n):
                 raise ValueError(f"fused decode layer: norms and biases must be contiguous "
                                  f"{self.dtype} [{n}]")
-        return DecodeLayerWeights(
-            p.o.packed.data_ptr(), _ptr(p.o_bias), p.post_norm.data_ptr(),
-            p.gate_up.packed.data_ptr(), p.down.packed.data_ptr(), p.next_norm.data_ptr(),
-            p.qkv.packed.data_ptr(), _ptr(p.qkv_bias))
+
+    def _describe_ends(self, e: EndParts) -> DecodeEnds:
+        h, i, qd = self.hidden, self.inter, self.nh * self.d
+        want: list[tuple[Any, int, int, bool]] = [
+            (e.first_qkv, self.qkv_n, h, False), (e.o, h, qd, False), (e.gate_up, i, h, True),
+            (e.down, h, i, False)]
+        if e.head is not None:
+            want.append((e.head, e.head.n, h, False))
+        self._check_matrices(want)
+        self._check_vectors(((e.first_norm, h), (e.post_norm, h), (e.final_norm, h),
+                             (e.o_bias, h), (e.first_qkv_bias, self.qkv_n)))
+        return DecodeEnds(
+            e.first_norm.data_ptr(), e.first_qkv.packed.data_ptr(), _ptr(e.first_qkv_bias),
+            e.o.packed.data_ptr(), _ptr(e.o_bias), e.post_norm.data_ptr(),
+            e.gate_up.packed.data_ptr(), e.down.packed.data_ptr(), e.final_norm.data_ptr(),
+            None if e.head is None else e.head.packed.data_ptr(),
+            0 if e.head is None else e.head.n)
+
+    @property
+    def whole_steps(self) -> bool:
+        """Whether ``step`` can run (the ends were given and whole layers can run)."""
+        return WHOLE_STEP and self._ends is not None and self.attends
+
+    def step(self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor], db: DecodeBatch,
+             block_size: int, scale: float, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A whole pure one-row decode step (after ``begin_step``) in one C call: ``h`` [t,
+        hidden] the embedding rows (the residual stream, updated in place), every layer's
+        qkv, K/V write, attention and the rest, then for the sampled ``rows`` (logits_indices)
+        the last layer's rest and the final norm. Returns (float32 logits [m, vocab], True)
+        where this holds the output layer, else (the final norm's rows [m, hidden], False).
+        ``db``: the step's decodes, one row per request (its tables and lengths are checked
+        here once per step unless already checked)."""
+        s = self._step
+        t = s.t
+        if self._ends is None:
+            raise ValueError("fused decode step: built without the model's ends")
+        if tuple(h.shape) != (t, self.hidden) or h.dtype != self.dtype or not h.is_contiguous():
+            raise ValueError(f"fused decode step: h must be contiguous {self.dtype} "
+                             f"[{t}, {self.hidden}]")
+        if len(kv_caches) != len(self._keep) + 1:
+            raise ValueError("fused decode step: one KV cache per layer")
+        if db.query_start is not None or db.num_rows != t or db.num_reqs != t:
+            raise ValueError("fused decode step: one query row per request, every row a decode")
+        bt, cl = db.block_tables, db.context_lens
+        if (bt.dtype != torch.int64 or cl.dtype != torch.int64 or bt.dim() != 2
+                or not bt.is_contiguous() or not cl.is_contiguous() or bt.shape[0] != t
+                or tuple(cl.shape) != (t,)):
+            raise ValueError("fused decode step: block_tables [n, blocks] and context_lens [n] "
+                             "must be contiguous int64")
+        k_ptrs, v_ptrs = self._caches(kv_caches)
+        if block_size != self._cache_block_size:
+            raise ValueError(f"fused decode step: the caches hold blocks of "
+                             f"{self._cache_block_size} tokens, not {block_size}")
+        if not db.checked:
+            paged_attention.check_tables(bt, cl, self._cache_blocks, block_size)
+            db.checked = True
+        m = rows.shape[0]
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() \
+                or not 1 <= m <= t:
+            raise ValueError(f"fused decode step: the sampled rows must be contiguous int64, "
+                             f"1 to {t} of them")
+        a = self._attn
+        a.block_tables, a.bt_stride = bt.data_ptr(), bt.stride(0)
+        a.context_lens, a.block_size, a.scale = cl.data_ptr(), block_size, scale
+        head = self.vocab > 0
+        # scratch: gathered h rows, gathered attention rows, the output layer's bfloat16
+        # results, each 64-element aligned
+        parts = (t * self.hidden, t * self.nh * self.d,
+                 m * self.vocab if head and self.dtype == torch.bfloat16 else 0)
+        offs = [0]
+        for n in parts:
+            offs.append(offs[-1] + -(-n // 64) * 64)
+        if self._scratch.numel() < offs[-1] + 64:
+            self._scratch = torch.empty(offs[-1] + 64, dtype=self.dtype)
+        es = self._scratch.element_size()
+        sc = -(-self._scratch.data_ptr() // 64) * 64
+        out = torch.empty(m, self.hidden, dtype=self.dtype)
+        logits = torch.empty(m, self.vocab, dtype=torch.float32) if head else None
+        tl = self._tail
+        tl.rows, tl.m = rows.data_ptr(), m
+        tl.h_rows, tl.attn_rows = sc, sc + offs[1] * es
+        tl.out = out.data_ptr()
+        tl.logits_bf16 = sc + offs[2] * es if head else None
+        tl.logits = None if logits is None else logits.data_ptr()
+        self._prefetch_kv.value = int(PREFETCH_KV)
+        rc = self._step_fn(ctypes.addressof(self._weights), ctypes.addressof(self._ends),
+                           self._step_ptr, self._attn_ptr, self._tail_ptr, h.data_ptr(), k_ptrs,
+                           v_ptrs, len(kv_caches))
+        if rc == 2:
+            raise ValueError(f"fused decode step: sampled rows must be in 0..{t - 1}")
+        if rc == -1:
+            raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
+        if rc != 0:
+            raise RuntimeError(f"fused decode step: a kernel refused its inputs (code {rc})")
+        if logits is not None:
+            return logits, True
+        return out, False
 
     def begin_step(self, t: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor) -> None:
@@ -243,6 +380,14 @@ class DecodeLayers:
         """The K and V pointers of every layer's cache (kept while the caches stay put)."""
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._cache_key:
+            shape = tuple(kv_caches[0].shape)
+            if len(shape) != 5 or shape[0] != 2 or shape[3:] != (self.nkv, self.d) or any(
+                    tuple(c.shape) != shape or c.dtype != self.dtype or not c.is_contiguous()
+                    for c in kv_caches):
+                raise ValueError(f"fused decode layers: every KV cache must be contiguous "
+                                 f"{self.dtype} [2, blocks, block_size, {self.nkv}, {self.d}], "
+                                 "all of one shape")
+            self._cache_blocks, self._cache_block_size = shape[1], shape[2]
             n = len(kv_caches)
             k = (ctypes.c_void_p * n)(*(c.data_ptr() for c in kv_caches))
             v = (ctypes.c_void_p * n)(*(c.data_ptr() + c.stride(0) * c.element_size()
@@ -278,6 +423,24 @@ class LayerParts:
     next_norm: torch.Tensor
     qkv: GemvWeight | GemmF32Weight
     qkv_bias: torch.Tensor | None
+
+
+@dataclass
+class EndParts:
+    """The tensors of a step's two ends that ``DecodeLayers.step`` reads: layer 0's input
+    norm and qkv projection; the last layer's o projection, post-attention norm and MLP; the
+    model's final norm; and (bfloat16, or None) the output layer's few-row copy."""
+
+    first_norm: torch.Tensor
+    first_qkv: GemvWeight | GemmF32Weight
+    first_qkv_bias: torch.Tensor | None
+    o: GemvWeight | GemmF32Weight
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: GemvWeight | GemmF32Weight
+    down: GemvWeight | GemmF32Weight
+    final_norm: torch.Tensor
+    head: GemvWeight | GemmF32Weight | None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
