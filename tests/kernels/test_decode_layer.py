@@ -4,6 +4,7 @@ larger ones and prefills do not) and in float32 (decode steps of up to 256 rows;
 prefill do not), and bad inputs are refused with clear errors."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -280,7 +281,8 @@ def test_float32_steps_with_a_prefill_take_the_separate_kernels(odd_qwen2_dir, m
 
 
 def _direct_step(model_dir: Path, dtype: torch.dtype, t: int, rows: list[int], whole_step: bool,
-                 monkeypatch, bad_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 monkeypatch, bad_table: bool = False, no_head: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pure decode step of ``t`` requests (random caches, contexts of 1 to 40 tokens)
     through the model's forward, sampling ``rows``: (logits, layer 0's and the last layer's
     caches after it)."""
@@ -290,6 +292,12 @@ def _direct_step(model_dir: Path, dtype: torch.dtype, t: int, rows: list[int], w
     monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
     cfg = load_model_config(model_dir)
     model = llama.LlamaForCausalLM(cfg, load_state_dict(model_dir, dtype), dtype, 64)
+    assert model.decode_layers is not None
+    if no_head:  # the output layer left to _logits (as where it has no decode-kernel copy)
+        model.decode_layers = DecodeLayers(
+            model.decode_layers._keep, cfg.hidden_size, cfg.intermediate_size,
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+            dtype, dataclasses.replace(model.decode_layers._ends_keep, head=None))
     bs, nb = 4, 128
     kv = KVCache(cfg, num_blocks=nb, num_cpu_blocks=0, block_size=bs, dtype=dtype)
     g = torch.Generator().manual_seed(t)
@@ -311,14 +319,25 @@ def _direct_step(model_dir: Path, dtype: torch.dtype, t: int, rows: list[int], w
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("t, rows", [(5, [3, 0, 4]), (4, [1, 0, 3, 2]), (12, [11, 2]),
-                                     (1, [0])])
-def test_whole_step_samples_any_rows_bit_for_bit(odd_qwen2_dir, monkeypatch, dtype, t, rows):
+@pytest.mark.parametrize("t, rows, threads, no_head", [
+    (5, [3, 0, 4], 1, False), (4, [1, 0, 3, 2], 2, False), (12, [11, 2], 2, False),
+    (1, [0], 1, False), (3, [0, 1, 2], 2, True), (6, [5, 1], 1, True)])
+def test_whole_step_samples_any_rows_bit_for_bit(odd_qwen2_dir, monkeypatch, dtype, t, rows,
+                                                 threads, no_head):
     """The whole step in C, sampling a subset of the rows or all of them out of order (its
-    gathered path), equals the step with layer 0 and the last layer in Python bit for bit,
-    logits and written K/V alike."""
+    gathered path), with or without the output layer, equals the step with layer 0 and the
+    last layer in Python bit for bit, logits and written K/V alike."""
     if decode_layer_error(dtype) is not None:
         pytest.skip(f"no fused {dtype} layer here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare_whole_step(odd_qwen2_dir, monkeypatch, dtype, t, rows, no_head)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _compare_whole_step(odd_qwen2_dir, monkeypatch, dtype, t, rows, no_head):
     steps: list[int] = []
     real_step = DecodeLayers.step
 
@@ -327,7 +346,8 @@ def test_whole_step_samples_any_rows_bit_for_bit(odd_qwen2_dir, monkeypatch, dty
         return real_step(self, h, *args)
 
     monkeypatch.setattr(DecodeLayers, "step", record_step)
-    logits, caches = _direct_step(odd_qwen2_dir, dtype, t, rows, True, monkeypatch)
+    logits, caches = _direct_step(odd_qwen2_dir, dtype, t, rows, True, monkeypatch,
+                                  no_head=no_head)
     assert steps == [t]
     ref, ref_caches = _direct_step(odd_qwen2_dir, dtype, t, rows, False, monkeypatch)
     assert steps == [t]

@@ -189,7 +189,7 @@ class DecodeLayers:
         self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
                                 nkv=num_kv_heads, d=head_dim, eps=eps, bf16=DTYPES[dtype])
         self._step_ptr = ctypes.addressof(self._step)
-        self._step_tensors: tuple[torch.Tensor, ...] = ()
+        self._step_tensors: tuple[torch.Tensor, ...] = (torch.empty(0), torch.empty(0))
         self._q = self._v = torch.empty(0)
         self._step_fn = lib.decode_step
         self._ends_keep = ends
@@ -334,19 +334,24 @@ class DecodeLayers:
             raise TypeError(f"fused decode layer: the rotary tables must be {self.dtype}")
         if t < 1 or t > MAX_ROWS:
             raise ValueError(f"fused decode layer: a step of {t} rows (1 to {MAX_ROWS})")
+        s = self._step
+        s.num_threads = torch.get_num_threads()
+        s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
+        if t == s.t and self._step_tensors[0] is cos and self._step_tensors[1] is sin:
+            # the previous step's buffers (nothing outlives a step in them)
+            self._step_tensors = (cos, sin, positions, slots, *self._step_tensors[4:])
+            return
         e = functools.partial(torch.empty, dtype=self.dtype)
         x, n, y, qkv, q = (e(t, self.hidden), e(t, self.hidden), e(t, self.inter),
                            e(t, self.qkv_n), e(t, self.nh, self.d))
-        self._step_tensors = (cos, sin, positions, slots, x, n, y, qkv, q)
-        s = self._step
-        s.t, s.num_threads = t, torch.get_num_threads()
-        s.cos, s.sin, s.positions, s.slots = (cos.data_ptr(), sin.data_ptr(),
-                                              positions.data_ptr(), slots.data_ptr())
+        self._out = e(t, self.nh * self.d)
+        self._step_tensors = (cos, sin, positions, slots, x, n, y, qkv, q, self._out)
+        s.t = t
+        s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
         s.x, s.n, s.y, s.qkv, s.q_out = (x.data_ptr(), n.data_ptr(), y.data_ptr(),
                                          qkv.data_ptr(), q.data_ptr())
         self._q = q
         self._v = qkv[:, (self.nh + self.nkv) * self.d:].view(t, self.nkv, self.d)
-        self._out = e(t, self.nh * self.d)
         self._attn.out = self._out.data_ptr()
 
     @property
