@@ -78,3 +78,48 @@ def test_the_memory_plan_counts_a_full_steps_working_memory():
     large = working_memory_bytes(max_num_batched_tokens=2048, **smollm)
     # The token budget's activations and scores, 256 sequences' logits, the capped caches.
     assert 150 * 2**20 < small < large < 1 * 2**30
+
+
+def test_the_operator_can_leave_glibcs_thresholds_alone():
+    from llmtower.executor.memory_bounds import HOLD_ENV, hold_freed_pages
+    assert hold_freed_pages({HOLD_ENV: "0"}) is False
+
+
+HOLD_PROBE = """
+import resource, torch
+from llmtower.executor.memory_bounds import hold_freed_pages
+held = hold_freed_pages({"LLMTOWER_MALLOC_HOLD": HOLD})
+torch.set_num_threads(1)
+def layer():  # a float32 prefill chunk's activations in one layer (2048 tokens, SmolLM2)
+    qkv = torch.ones(2048, 960)
+    q = torch.ones(2048, 576)
+    del qkv
+    gate, up = torch.ones(2048, 1536), torch.ones(2048, 1536)
+    del gate
+    down = torch.ones(2048, 576)
+    del q, up, down
+for _ in range(3):
+    layer()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    layer()
+print(held, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 10)
+"""
+
+
+def _faults_per_layer(hold: str) -> tuple[bool, float]:
+    out = subprocess.run([sys.executable, "-c", f"HOLD = {hold!r}\n" + HOLD_PROBE],
+                         capture_output=True, text=True, timeout=300, check=True)
+    held, faults = out.stdout.split()
+    return held == "True", float(faults)
+
+
+def test_freed_activations_come_back_without_fresh_pages():
+    held, faults = _faults_per_layer("1")
+    if not held:  # not glibc: nothing to check
+        return
+    # 40 MB per layer: glibc's own thresholds hand ~5,500 pages back and map them again (the
+    # 300 or so left are torch's own, e.g. its allocator's bookkeeping)
+    default_held, default_faults = _faults_per_layer("0")
+    assert not default_held
+    assert faults < 1000 and faults < default_faults / 4, (faults, default_faults)
