@@ -302,9 +302,10 @@ static inline __attribute__((always_inline)) void last_body(
         product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits_bf16, e->vocab, 0, BF16,
                 NULL, 0, 0, 0);
         const int64_t total = m * e->vocab;
-        const uint16_t *src = tl->logits_bf16;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < total; i++) tl->logits[i] = bf16_to_f32(src[i]);
+        const uint16_t *restrict src = tl->logits_bf16;
+        float *restrict dst = tl->logits;
+#pragma omp for simd schedule(static)
+        for (int64_t i = 0; i < total; i++) dst[i] = bf16_to_f32(src[i]);
     } else if (e->head) {
         product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits, e->vocab, 0, BF16,
                 NULL, 0, 0, 0);
