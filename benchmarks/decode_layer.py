@@ -213,6 +213,9 @@ def main() -> None:
         med = statistics.median(r)
         dec = (f", decode {statistics.median(step_ms[name]):.3f} ms/step (runs: "
                + ", ".join(f"{x:.2f}" for x in step_ms[name]) + ")") if step_ms[name] else ""
+        if step_ms[name] and name != chosen[0]:  # round by round against the baseline
+            diff = statistics.median(a - b for a, b in zip(step_ms[name], step_ms[chosen[0]]))
+            dec += f", median paired difference {diff:+.3f} ms/step"
         print(f"{name:>22}: {med:6.1f} output tok/s ({med / base:.2f}x){dec}  runs: "
               + ", ".join(f"{x:.1f}" for x in r))
     same = len({tuple(t) for t in tokens.values()}) == 1
