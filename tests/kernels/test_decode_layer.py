@@ -364,5 +364,10 @@ def test_whole_step_refuses_bad_tables_and_rows(odd_qwen2_dir, monkeypatch, dtyp
         _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2], True, monkeypatch, bad_table=True)
     with pytest.raises(ValueError, match="sampled rows must be in 0..2"):
         _direct_step(odd_qwen2_dir, dtype, 3, [0, 3], True, monkeypatch)
-    with pytest.raises(ValueError, match="1 to 3 of them"):
-        _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2, 0], True, monkeypatch)
+    # more sampled rows than the step has (a row twice): the split path takes the step
+    calls: list[int] = []
+    real_step = DecodeLayers.step
+    monkeypatch.setattr(DecodeLayers, "step", lambda self, *a: calls.append(1) or real_step(
+        self, *a))
+    logits, _ = _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2, 0], True, monkeypatch)
+    assert calls == [] and logits.shape[0] == 4 and torch.equal(logits[0], logits[3])

@@ -277,10 +277,10 @@ class LlamaForCausalLM:
         whole = dl is not None and dl.attends and attn.backend == "c" and db is not None \
             and db.query_start is None and db.num_rows == t and not meta.prefills \
             and not meta.decode_groups and last > 1
-        if whole and dl is not None and dl.whole_steps:
+        if whole and dl is not None and dl.whole_steps and 0 < logits_indices.shape[0] <= t:
             assert db is not None
-            # All of it in one C call, the output layer too in bfloat16 (bit for bit the
-            # calls below).
+            # All of it in one C call, the output layer too where it has the decode kernel's
+            # copy (bit for bit the calls below).
             out, is_logits = dl.step(h, kv_caches, db, attn.block_size, attn.scale,
                                      logits_indices)
             return out if is_logits else self._logits(out)
