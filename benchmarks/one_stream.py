@@ -149,6 +149,9 @@ def breakdown(args: argparse.Namespace) -> None:
     timer.wrap(model, "_logits", "    lm_head (+ .float())")
     dl = model.decode_layers
     if dl is not None:
+        # A pure one-row decode step is one C call (every layer and the output layer); the
+        # split path's parts below show only where a step does not take it.
+        timer.wrap(dl, "step", "    decode_layers.step (whole step in C)")
         timer.wrap(dl, "attend_and_layers", "    layers 1..L-2 in C")
         timer.wrap(dl, "begin_step", "    decode_layers.begin_step")
         timer.wrap(dl, "layer", "    decode_layers.layer (layer 0 rest)")
