@@ -10,8 +10,12 @@ ratio to the first variant, and the load average beside them (this machine is sh
     .venv/bin/python benchmarks/one_stream.py --variants float32:none,bfloat16:gguf --rounds 5
     chrt -f 1 .venv/bin/python benchmarks/one_stream.py --variants bfloat16:none:4k,bfloat16:none
 
-A variant's third field ``4k`` builds that engine with huge pages off (kernels/huge_pages.py):
-its packed weights and KV cache on ordinary 4 KiB pages.
+Fields after a variant's quantization are flags: ``4k`` builds that engine with huge pages
+off (kernels/huge_pages.py: its packed weights and KV cache on ordinary 4 KiB pages);
+``full`` runs it with the greedy screen off (model_runner.GREEDY_SCREEN: full logits and the
+sampler every step, as before kernels/greedy_head.py).
+
+    chrt -f 1 .venv/bin/python benchmarks/one_stream.py --variants bfloat16:none:full,bfloat16:none
 
 Decode tok/s counts the steps after the first (prefill) one: 127 tokens over their wall time.
 
@@ -23,6 +27,7 @@ in ms per decode step, medians over ``--rounds`` requests.
 
     chrt -f 1 .venv/bin/python benchmarks/one_stream.py --breakdown --rounds 5
     chrt -f 1 .venv/bin/python benchmarks/one_stream.py --breakdown --batch 64 --ab
+    chrt -f 1 .venv/bin/python benchmarks/one_stream.py --breakdown --ab-screen
 llama.cpp's figure to compare with (issue 9, same machine kind, Q4_1, 2 threads): 118 tok/s
 decode only, 83 end to end.
 """
@@ -40,6 +45,7 @@ from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.factory import create_engine_core
+from llmtower.executor import model_runner as runner_mod
 from llmtower.kernels import huge_pages
 
 
@@ -62,6 +68,9 @@ def parse_args() -> argparse.Namespace:
                    help="--breakdown: this many prompts at once (decode steps: all of them)")
     p.add_argument("--ab", action="store_true",
                    help="--breakdown: also the runner's general input path and torch's argmax, "
+                        "in alternate rounds")
+    p.add_argument("--ab-screen", action="store_true",
+                   help="--breakdown: also full logits and the sampler (the greedy screen off), "
                         "in alternate rounds")
     return p.parse_args()
 
@@ -143,10 +152,11 @@ def breakdown(args: argparse.Namespace) -> None:
     timer.wrap(runner.batch, "update_request", "  batch.update_request")
     timer.wrap(runner, "_prepare_inputs", "  prepare_inputs")
     timer.wrap(runner, "_plan_decodes", "    _plan_decodes")
-    from llmtower.executor import model_runner as runner_mod
     timer.wrap(runner_mod, "plan_prompt_logprobs", "    plan_prompt_logprobs")
     runner.model = _Callable(model, timer, "  model")
     timer.wrap(model, "_logits", "    lm_head (+ .float())")
+    if model.greedy_head is not None:
+        timer.wrap(model, "greedy_tokens", "  greedy_tokens (screen + exact candidates)")
     dl = model.decode_layers
     if dl is not None:
         # A pure one-row decode step is one C call (every layer and the output layer); the
@@ -191,7 +201,7 @@ def breakdown(args: argparse.Namespace) -> None:
     # --ab: the runner's decode fast path and numpy's argmax against what they replaced
     from llmtower.executor import sampler as sampler_mod
     fast_argmax = sampler_mod.argmax_rows
-    variants = {"new": True, "old": False} if args.ab else {"new": True}
+    variants = {"new": True, "old": False} if args.ab or args.ab_screen else {"new": True}
     load0 = os.getloadavg()[0]
     walls: dict[str, list[float]] = {v: [] for v in variants}
     ttfts: dict[str, list[float]] = {v: [] for v in variants}
@@ -199,9 +209,12 @@ def breakdown(args: argparse.Namespace) -> None:
     prefill: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v, on in variants.items():
-            runner_mod.DECODE_FAST_PATH = on
-            sampler_mod.argmax_rows = (fast_argmax if on else  # type: ignore[assignment]
-                                       lambda lg: lg.argmax(dim=-1).numpy())
+            if args.ab_screen:
+                runner_mod.GREEDY_SCREEN = on
+            else:
+                runner_mod.DECODE_FAST_PATH = on
+                sampler_mod.argmax_rows = (fast_argmax if on else  # type: ignore[assignment]
+                                           lambda lg: lg.argmax(dim=-1).numpy())
             timer.steps = []
             t = time.perf_counter()
             out = llm.generate(prompts, sp, use_tqdm=False)
@@ -213,7 +226,7 @@ def breakdown(args: argparse.Namespace) -> None:
             dec = [st for st in timer.steps if st.pop("_tokens") == args.batch][1:]
             per_part[v].append({k: sum(st.get(k, 0.0) for st in dec) / len(dec)
                                 for k in dec[0]})
-    runner_mod.DECODE_FAST_PATH = True
+    runner_mod.DECODE_FAST_PATH = runner_mod.GREEDY_SCREEN = True
     sampler_mod.argmax_rows = fast_argmax
     print(f"\n{args.batch} stream(s) (LLM.generate), bfloat16, {args.input_len} in / "
           f"{args.output_len} out, {args.rounds} rounds (median); load average {load0:.1f} -> "
@@ -224,12 +237,12 @@ def breakdown(args: argparse.Namespace) -> None:
               f"({wall * 1e3:.0f} ms), first step {statistics.median(ttfts[v]) * 1e3:.1f} ms")
     total = statistics.median(p["LLM step (all)"] for p in per_part["new"])
     print("| part | ms per decode step | share |"
-          + (" old path, ms |" if args.ab else "") + " ms of the first step |")
-    print("|---|---|---|" + ("---|" if args.ab else "") + "---|")
+          + (" old path, ms |" if len(variants) > 1 else "") + " ms of the first step |")
+    print("|---|---|---|" + ("---|" if len(variants) > 1 else "") + "---|")
     for k in sorted(per_part["new"][0], key=list(timer.order).index):
         val = statistics.median(p.get(k, 0.0) for p in per_part["new"])
         old = (f" {statistics.median(p.get(k, 0.0) for p in per_part['old']) * 1e3:.3f} |"
-               if args.ab else "")
+               if len(variants) > 1 else "")
         pre = statistics.median(p.get(k, 0.0) for p in prefill["new"])
         print(f"| {k} | {val * 1e3:.3f} | {val / total:.1%} |{old} {pre * 1e3:.2f} |")
 
@@ -241,16 +254,16 @@ def main() -> None:
         return
     variants = [tuple(v.split(":")) for v in args.variants.split(",")]
     cores: dict[tuple[str, ...], EngineCore] = {}
-    for dtype, quant, *pages in variants:
+    for dtype, quant, *flags in variants:
         t = time.perf_counter()
-        # A third field "4k": this engine's weights and KV cache on ordinary 4 KiB pages.
-        huge_pages.ENABLED = pages != ["4k"]
-        cores[(dtype, quant, *pages)] = create_engine_core(EngineArgs(
+        # "4k": this engine's weights and KV cache on ordinary 4 KiB pages.
+        huge_pages.ENABLED = "4k" not in flags
+        cores[(dtype, quant, *flags)] = create_engine_core(EngineArgs(
             model=args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
             kv_cache_memory="64MiB", enable_prefix_caching=False))
         huge_pages.ENABLED = True
-        print(f"built {dtype}:{quant}{':' + pages[0] if pages else ''} in "
-              f"{time.perf_counter() - t:.1f} s", flush=True)
+        print(f"built {':'.join((dtype, quant, *flags))} in {time.perf_counter() - t:.1f} s",
+              flush=True)
     rng = np.random.default_rng(args.seed)
     vocab = next(iter(cores.values())).model_info.vocab_size  # type: ignore[union-attr]
     prompt = rng.integers(0, vocab, args.input_len).tolist()
@@ -260,20 +273,24 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         for key, core in cores.items():
+            runner_mod.GREEDY_SCREEN = "full" not in key[2:]
             results[key].append(one_request(core, prompt, args.output_len, f"r{r}-{key}"))
+    runner_mod.GREEDY_SCREEN = True
     load1 = os.getloadavg()[0]
     print(f"\none stream, {args.input_len} in / {args.output_len} out, threads "
           f"{args.threads or 'auto'}, "
           f"{args.rounds} rounds (median); load average {load0:.1f} -> {load1:.1f} "
           f"on {os.cpu_count()} CPUs")
-    print("| dtype | quantization | pages | prefill ms | decode tok/s | decode vs first |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | quantization | pages | greedy | prefill ms | decode tok/s | vs first |")
+    print("|---|---|---|---|---|---|---|")
     base = None
-    for (dtype, quant, *pages), rs in results.items():
+    for (dtype, quant, *flags), rs in results.items():
         pre = statistics.median(x[0] for x in rs) * 1e3
         dec = statistics.median(x[1] for x in rs)
         base = base or dec
-        print(f"| {dtype} | {quant} | {pages[0] if pages else '2M'} | {pre:.0f} | {dec:.1f} "
+        pages = "4k" if "4k" in flags else "2M"
+        greedy = "full logits" if "full" in flags else "screen"
+        print(f"| {dtype} | {quant} | {pages} | {greedy} | {pre:.0f} | {dec:.1f} "
               f"| {dec / base:.2f}x |")
 
 

@@ -42,6 +42,11 @@ DECODE_GROUP_BYTES = 12 * 2**20
 # path (tests and benchmarks compare the two).
 DECODE_FAST_PATH = True
 
+# Steps whose sampled rows are all plain greedy, few enough, take the model's greedy screen
+# (kernels/greedy_head.py: the same tokens without reading the whole output layer). False:
+# always full logits and the sampler (tests and benchmarks compare the two).
+GREEDY_SCREEN = True
+
 
 @dataclass
 class StepInputs:
@@ -100,6 +105,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(so, req_ids, num_spec)
         plan = inputs.prompt_plan
+        if self._greedy_only(so, inputs, spec):
+            return self._execute_greedy(req_ids, inputs)
         indices = inputs.logits_indices if plan is None else torch.cat(
             [inputs.logits_indices, plan.flat_rows])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
@@ -119,6 +126,26 @@ class ModelRunner:
             batch.append_sampled(inputs.sample_rows, tokens)
             out = self._output(req_ids, inputs.sample_mask, tokens, logprobs)
         out.prompt_logprobs = prompt_lps
+        self.heap_trimmer.after_step()
+        return out
+
+    def _greedy_only(self, so: SchedulerOutput, inputs: StepInputs,
+                     spec: SpecDecodeStep | None) -> bool:
+        """Whether this step needs only its sampled rows' argmax tokens, few enough for the
+        model's greedy screen: no drafts, prompt logprobs or grammar, every row plain greedy."""
+        m = len(inputs.sample_rows)
+        return (GREEDY_SCREEN and spec is None and inputs.prompt_plan is None
+                and so.grammar_bitmask is None and 0 < m <= self.model.greedy_rows()
+                and self.sampler.plain_greedy(inputs.sample_rows, self.batch))
+
+    def _execute_greedy(self, req_ids: list[str], inputs: StepInputs) -> ModelRunnerOutput:
+        """A step of plain greedy rows: the model stops at the final norm and picks the
+        tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
+                            self.attn, inputs.meta, inputs.logits_indices, head=False)
+        tokens = self.model.greedy_tokens(hidden)
+        self.batch.append_sampled(inputs.sample_rows, tokens)
+        out = self._output(req_ids, inputs.sample_mask, tokens, None)
         self.heap_trimmer.after_step()
         return out
 

@@ -38,7 +38,7 @@ class Sampler:
         or None when no row asked for them)."""
         greedy = batch.temperature[rows] < _GREEDY_TEMPERATURE
         if greedy.all() and not batch.needs_processing[rows].any():
-            return argmax_rows(logits), None  # the common fast path
+            return argmax_rows(logits), None  # the common fast path (plain_greedy)
         logprobs = self._logprobs_of_raw(logits, rows, batch)
         logits = self._process(logits, rows, batch)
         tokens = torch.from_numpy(argmax_rows(logits))
@@ -49,6 +49,13 @@ class Sampler:
         tokens_np = tokens.numpy()
         entries = logprobs(tokens_np) if logprobs is not None else None
         return tokens_np, entries
+
+    @staticmethod
+    def plain_greedy(rows: np.ndarray, batch: InputBatch) -> bool:
+        """Whether every one of these rows takes the plain argmax of its logits (greedy; no
+        logprobs, bias, penalty or EOS mask): then the token is all the step needs."""
+        return bool((batch.temperature[rows] < _GREEDY_TEMPERATURE).all()
+                    and not batch.needs_processing[rows].any())
 
     # ------------------------------------------------------------------ logits processing
     def _process(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:

@@ -298,7 +298,8 @@ static inline __attribute__((always_inline)) void last_body(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
         add_rms_norm_row(hr, s->x, e->final_norm, tl->out, r, hid, s->eps, BF16);
-    if (e->head && BF16) {
+    /* tl->logits NULL: the caller wants the final norm's rows only (greedy_head reads them) */
+    if (e->head && tl->logits && BF16) {
         product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits_bf16, e->vocab, 0, BF16,
                 NULL, 0, 0, 0);
         const int64_t total = m * e->vocab;
@@ -306,7 +307,7 @@ static inline __attribute__((always_inline)) void last_body(
         float *restrict dst = tl->logits;
 #pragma omp for simd schedule(static)
         for (int64_t i = 0; i < total; i++) dst[i] = bf16_to_f32(src[i]);
-    } else if (e->head) {
+    } else if (e->head && tl->logits) {
         product(tl->out, m, hid, e->head, e->vocab, hid, NULL, tl->logits, e->vocab, 0, BF16,
                 NULL, 0, 0, 0);
     }

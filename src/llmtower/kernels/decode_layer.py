@@ -251,12 +251,14 @@ class DecodeLayers:
         return WHOLE_STEP and self._ends is not None and self.attends
 
     def step(self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor], db: DecodeBatch,
-             block_size: int, scale: float, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+             block_size: int, scale: float, rows: torch.Tensor, head: bool = True
+             ) -> tuple[torch.Tensor, bool]:
         """A whole pure one-row decode step (after ``begin_step``) in one C call: ``h`` [t,
         hidden] the embedding rows (the residual stream, updated in place), every layer's
         qkv, K/V write, attention and the rest, then for the sampled ``rows`` (logits_indices)
         the last layer's rest and the final norm. Returns (float32 logits [m, vocab], True)
-        where this holds the output layer, else (the final norm's rows [m, hidden], False).
+        where this holds the output layer and ``head`` asks for it, else (the final norm's
+        rows [m, hidden], False).
         ``db``: the step's decodes, one row per request (its tables and lengths are checked
         here once per step unless already checked)."""
         s = self._step
@@ -291,7 +293,7 @@ class DecodeLayers:
         a = self._attn
         a.block_tables, a.bt_stride = bt.data_ptr(), bt.stride(0)
         a.context_lens, a.block_size, a.scale = cl.data_ptr(), block_size, scale
-        head = self.vocab > 0
+        head = head and self.vocab > 0
         # scratch: gathered h rows, gathered attention rows, the output layer's bfloat16
         # results, each 64-element aligned
         parts = (t * self.hidden, t * self.nh * self.d,

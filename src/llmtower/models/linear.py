@@ -70,6 +70,17 @@ F32_KERNEL_MAX_ROWS = 256
 BF16_KERNEL_MAX_ROWS = 256
 
 
+def decode_kernel_rows(weight: PackedWeight) -> int:
+    """Most rows for which ``linear(x, weight)`` sums as the weight's decode-step kernel does
+    (the few-row kernel, or gemm_bf16 with its sums; gemm_f32): a row's result there does not
+    depend on how many rows run beside it."""
+    if weight.f32:
+        return F32_KERNEL_MAX_ROWS
+    if gemm_bf16_error() is None:
+        return max(GEMV_MAX_ROWS, BF16_KERNEL_MAX_ROWS)
+    return GEMV_MAX_ROWS
+
+
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +23,7 @@ from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
 from llmtower.kernels.gemm_bf16 import gemm_bf16_error
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels.greedy_head import GreedyHead, greedy_head_error
 from llmtower.kernels import decode_layer as decode_layer_mod
 from llmtower.kernels.decode_layer import (DecodeLayers, EndParts, LayerParts,
                                            decode_layer_error)
@@ -99,6 +101,7 @@ class LlamaForCausalLM:
         else:
             self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
         self.lm_head_dense: torch.Tensor | PackedWeight | None = None
+        self.greedy_head: GreedyHead | None = None
         if quantization != "none":
             # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
             # output layer at 8 bits or more); the embedding lookup keeps the float table.
@@ -122,6 +125,10 @@ class LlamaForCausalLM:
                 # oneDNN's, docs/performance.md), and the plain matrix for a step that samples
                 # more rows than the kernel takes, rather than a third copy (113 MB on SmolLM2).
                 self.lm_head = PackedWeight(plain, self.lm_head.gemv)
+            # Greedy steps pick their tokens from an int8 screen of the output layer and the
+            # exact logits of the few rows that could win (kernels/greedy_head.py): the same
+            # tokens as the full logits' argmax.
+            self.greedy_head = _greedy_head(plain, self.lm_head)
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
@@ -219,13 +226,15 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: PagedAttention, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab]."""
+                logits_indices: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab]; with
+        ``head=False`` the final norm's rows [len(logits_indices), hidden] in the model's dtype
+        instead (for ``greedy_tokens``)."""
         # The fused RoPE kernel writes K/V in the model's dtype: a cache of another
         # (--kv-cache-dtype int8/bfloat16) takes the path where attention stores them.
         if self.fused is not None and self.layers and kv_caches[0].dtype == self.dtype:
             return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
-                                       logits_indices)
+                                       logits_indices, head)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1
@@ -244,13 +253,14 @@ class LlamaForCausalLM:
         if not self.layers:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.eps)
-        return self._logits(h)
+        return self._logits(h) if head else h
 
     __call__ = forward
 
     def _forward_fused(self, fo: FusedOps, input_ids: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[torch.Tensor], attn: PagedAttention,
-                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                       meta: AttentionMetadata, logits_indices: torch.Tensor,
+                       head: bool = True) -> torch.Tensor:
         """``forward`` with the fused kernels: per layer three GEMMs (four when quantized), the
         attention and three C calls. Each residual add is fused into the RMSNorm after it."""
         c0 = kv_caches[0]
@@ -282,8 +292,8 @@ class LlamaForCausalLM:
             # All of it in one C call, the output layer too where it has the decode kernel's
             # copy (bit for bit the calls below).
             out, is_logits = dl.step(h, kv_caches, db, attn.block_size, attn.scale,
-                                     logits_indices)
-            return out if is_logits else self._logits(out)
+                                     logits_indices, head)
+            return out if is_logits or not head else self._logits(out)
         x = fo.add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         c_until = 0  # layers below this ran whole in C
         for i, layer in enumerate(self.layers):
@@ -317,7 +327,27 @@ class LlamaForCausalLM:
                 x = self._mlp(x, layer)
             norm = self.layers[i + 1].input_norm if i < last else self.norm
             x = fo.add_rms_norm(h, x, norm, self.eps)
-        return self._logits(x)
+        return self._logits(x) if head else x
+
+    def greedy_rows(self) -> int:
+        """Most sampled rows ``greedy_tokens`` takes (0: the model has no greedy screen)."""
+        g = self.greedy_head
+        if g is None or type(self.lm_head) is not PackedWeight:
+            return 0
+        return min(g.max_rows, linear_mod.decode_kernel_rows(self.lm_head))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> np.ndarray:
+        """The final norm's rows (``forward(..., head=False)``, at most ``greedy_rows()``)
+        -> int64 [rows]: the argmax of each row's logits, the first on ties, as the sampler
+        takes it from ``forward``'s logits. The greedy screen decides most rows; the full
+        output layer the rest."""
+        assert self.greedy_head is not None
+        tokens = self.greedy_head.tokens(hidden)
+        left = np.flatnonzero(tokens < 0)
+        if left.size:
+            logits = self._logits(hidden[torch.from_numpy(left)])
+            tokens[left] = np.argmax(logits.numpy(), axis=-1)
+        return tokens
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the final normalized rows."""
@@ -348,6 +378,21 @@ class LlamaForCausalLM:
             i = y.shape[1] // 2
             return apply_linear(F.silu(y[:, :i]).mul_(y[:, i:]), layer.down)
         return linear(silu_mul(x, layer.gate, layer.up), layer.down)
+
+
+def _greedy_head(plain: Weight, head: Weight) -> GreedyHead | None:
+    """The output layer's greedy screen, where its products take a decode-step kernel whose
+    sums the screen repeats (``kernels/greedy_head.py``); None elsewhere."""
+    if type(head) is not PackedWeight or not isinstance(plain, torch.Tensor) \
+            or greedy_head_error() is not None:
+        return None
+    kernel = head.gemv
+    if kernel.path != 0 or kernel.silu_pair or plain.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    try:
+        return GreedyHead(plain, kernel)
+    except ValueError:  # inf or NaN in the weights: the full layer decides every step
+        return None
 
 
 def _packed(w: Weight) -> Weight:

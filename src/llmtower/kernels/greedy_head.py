@@ -1,0 +1,162 @@
+"""Python side of the greedy output layer (``greedy_head.c``): ``GreedyHead`` picks each
+sampled row's argmax token by screening an int8 copy of the output layer and computing exactly
+only the rows that could win.
+
+A greedy step with no logprobs, penalties or grammar needs the argmax of the logits, nothing
+else. The output layer is the largest matrix a decode step reads (SmolLM2: 56.6 of 274 MB in
+bfloat16, 113 of 540 MB in float32); the screen reads 28.3 MB instead, plus the candidates'
+tiles of the layer's own packed weights. The token is bit for bit the one the full logits give
+(ties: the first index), because the candidates' logits come from the same packed weights and
+the same summation code as the full layer's, and every other row is proven below them
+(``greedy_head.c`` derives the bound). ``LLMTOWER_GREEDY_HEAD=0`` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+import torch
+
+from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.gemm_f32 import GemmF32Weight
+from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels.huge_pages import empty_streamed
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+ENABLED = os.environ.get("LLMTOWER_GREEDY_HEAD", "1") != "0"
+# Most candidates a row may leave to exact computation; past it the full layer decides the row
+# (measured on SmolLM2: 1 candidate at the median, 481 at most over 1,024 rows).
+CANDIDATE_CAP = 2048
+# Rows of the weight quantized at a time at load (float64 work space: 4096 x K x 8 bytes).
+_LOAD_CHUNK = 4096
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = load("greedy_head")
+    lib.greedy_head_fast.restype = _INT
+    lib.greedy_head_max_rows.restype = _INT
+    lib.greedy_head_packed_numel.argtypes = [_I64, _I64]
+    lib.greedy_head_packed_numel.restype = _I64
+    lib.greedy_head_pack.argtypes = [_P, _I64, _I64, _P]
+    lib.greedy_head_pack.restype = None
+    lib.greedy_head_tokens.argtypes = [_P, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _P, _P, _P,
+                                       _I64, _P, _P, _INT, _INT]
+    lib.greedy_head_tokens.restype = _INT
+    return lib
+
+
+def greedy_head_error() -> str | None:
+    """Why the greedy output layer cannot run here (turned off, no compiler, or a CPU without
+    AVX512_VNNI / AVX512_BF16), or None."""
+    if not ENABLED:
+        return "LLMTOWER_GREEDY_HEAD=0"
+    try:
+        lib = _lib()
+    except KernelUnavailable as e:
+        return str(e)
+    if not lib.greedy_head_fast():
+        return "this CPU (or compiler) lacks AVX512_VNNI or AVX512_BF16"
+    return None
+
+
+def max_rows() -> int:
+    """Most sampled rows one call takes (a few decode streams)."""
+    return int(_lib().greedy_head_max_rows())
+
+
+class GreedyHead:
+    """Owns the output layer's int8 screen: its packed int8 copy, three float32 bound constants
+    per vocabulary row, and the scratch of a call; reads (never owns) the layer's own packed
+    weights ``kernel`` for the candidates' exact logits. ``path=1`` screens with portable C
+    (the same integer sums; tests compare them)."""
+
+    def __init__(self, weight: torch.Tensor, kernel: GemvWeight | GemmF32Weight,
+                 path: int = 0) -> None:
+        bf16 = isinstance(kernel, GemvWeight)
+        want = torch.bfloat16 if bf16 else torch.float32
+        if weight.dim() != 2 or weight.dtype != want or tuple(weight.shape) != (kernel.n, kernel.k):
+            raise ValueError(f"greedy head: the weight must be {want} [{kernel.n}, {kernel.k}] "
+                             f"like its kernel copy, not {weight.dtype} {tuple(weight.shape)}")
+        if kernel.path != 0 or kernel.silu_pair:
+            raise ValueError("greedy head: the kernel copy must be a single matrix on the fast "
+                             "path (its sums are the ones repeated here)")
+        self.n, self.k = kernel.n, kernel.k
+        self.bf16 = bf16
+        self.kernel = kernel
+        self.path = path
+        self._lib = _lib()
+        q, self.consts = _quantize(weight, 2 * ((self.k + 1) // 2))
+        self.packed = empty_streamed(self._lib.greedy_head_packed_numel(self.n, self.k),
+                                     torch.int8)
+        self._lib.greedy_head_pack(q.data_ptr(), self.n, self.k, self.packed.data_ptr())
+        self.max_rows = max_rows()
+        self._upper = torch.empty(0, dtype=torch.float32)
+        self.cand = torch.empty(self.max_rows * CANDIDATE_CAP, dtype=torch.int64)
+        self.cand_val = torch.empty(self.max_rows * CANDIDATE_CAP, dtype=torch.float32)
+        self.num_cand = torch.zeros(self.max_rows, dtype=torch.int64)
+        self._tokens = torch.empty(self.max_rows, dtype=torch.int64)
+
+    def tokens(self, x: torch.Tensor) -> np.ndarray:
+        """x [m, K] (the final norm's rows, the kernel's dtype, unit column stride) -> int64
+        [m]: each row's greedy token, or -1 where the full output layer must decide (h not
+        finite, or more than ``CANDIDATE_CAP`` candidates)."""
+        m = x.shape[0] if x.dim() == 2 else 0
+        if x.dtype != (torch.bfloat16 if self.bf16 else torch.float32) or x.dim() != 2 \
+                or x.shape[1] != self.k or x.stride(1) != 1 or not 1 <= m <= self.max_rows:
+            raise ValueError(f"greedy head: x must be {'bfloat16' if self.bf16 else 'float32'} "
+                             f"[1..{self.max_rows}, {self.k}] with unit column stride, not "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if self._upper.numel() < m * self.n:
+            self._upper = torch.empty(m * self.n, dtype=torch.float32)
+        stride = x.stride(0) if m > 1 else self.k
+        rc = self._lib.greedy_head_tokens(
+            x.data_ptr(), m, stride, int(self.bf16), self.packed.data_ptr(),
+            self.consts.data_ptr(), self.kernel.packed.data_ptr(), self.n, self.k,
+            self._upper.data_ptr(), self.cand.data_ptr(), self.cand_val.data_ptr(),
+            CANDIDATE_CAP, self.num_cand.data_ptr(), self._tokens.data_ptr(),
+            torch.get_num_threads(), self.path)
+        if rc == -1:
+            raise MemoryError("greedy head: could not allocate the quantized rows")
+        if rc != 0:
+            raise ValueError("greedy head: the kernel refused its sizes")
+        return self._tokens.numpy()[:m].copy()
+
+    def candidates(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last call's candidates of ``row`` (vocabulary ids, ascending) and their exact
+        logits (tests compare them with the full layer's)."""
+        nc = int(self.num_cand[row])
+        base = row * CANDIDATE_CAP
+        return (self.cand.numpy()[base:base + nc].copy(),
+                self.cand_val.numpy()[base:base + nc].copy())
+
+
+def _quantize(weight: torch.Tensor, k_sums: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [V, K] -> (q int8 [V, K], consts float32 [3, V rounded up to 64]): per row
+    s = max|w| / 127 (float32),
+    q = round(w / s), and the bound's constants |e| + gamma |w| and s |q| (e = w - s q; gamma
+    the relative error of a float32 sum of ``k_sums`` terms), computed in float64 and rounded
+    up."""
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError("greedy head: the output layer holds inf or NaN")
+    n, k = weight.shape
+    u = 2.0 ** -24
+    gamma = k_sums * u / (1 - k_sums * u)
+    widen = 1 + 2.0 ** -20  # covers rounding the float64 results to float32
+    q = torch.empty(n, k, dtype=torch.int8)
+    consts = torch.zeros(3, -(-n // 64) * 64, dtype=torch.float32)  # zero past n
+    for i in range(0, n, _LOAD_CHUNK):
+        j = min(n, i + _LOAD_CHUNK)
+        w = weight[i:j].double()
+        s = (w.abs().amax(dim=1).float() / 127).double()
+        qi = torch.where(s[:, None] > 0, torch.round(w / s.clamp_min(1e-300)[:, None]),
+                         torch.zeros_like(w)).clamp_(-127, 127)
+        e = w - qi * s[:, None]
+        q[i:j] = qi.to(torch.int8)
+        consts[0, i:j] = s.float()
+        consts[1, i:j] = ((e.norm(dim=1) + gamma * w.norm(dim=1)) * widen).float()
+        consts[2, i:j] = (s * qi.norm(dim=1) * widen).float()
+    return q, consts
