@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmtower.executor import model_runner
 from llmtower.kernels import decode_layer as DL
 from llmtower.kernels.decode_layer import DecodeLayers, LayerParts, decode_layer_error
 from llmtower.kernels.gemm_bf16 import gemm_bf16_error
@@ -75,6 +76,9 @@ def _run(model_dir: Path, prompts: list[list[int]], threads: int, monkeypatch,
         return real_begin(self, t, *args)
 
     record_logits.inner, record_begin.inner = real_call, real_begin  # type: ignore[attr-defined]
+    # Every step's logits are compared: the greedy screen (which skips the output layer on
+    # greedy steps) stays off; tests/kernels/test_greedy_head.py checks its tokens.
+    monkeypatch.setattr(model_runner, "GREEDY_SCREEN", False)
     monkeypatch.setattr(llama.LlamaForCausalLM, "__call__", record_logits)
     monkeypatch.setattr(DecodeLayers, "begin_step", record_begin)
     core = make_engine(model_dir, dtype=dtype, num_threads=threads, **engine_kw)
@@ -259,9 +263,9 @@ def test_float32_steps_with_a_prefill_take_the_separate_kernels(odd_qwen2_dir, m
     calls: list[tuple[bool, int]] = []  # (the step has a prefill, begin_step was called)
     real_fused, real_begin = llama.LlamaForCausalLM._forward_fused, DecodeLayers.begin_step
 
-    def record_fused(self, fo, input_ids, positions, kv_caches, attn, meta, logits_indices):
+    def record_fused(self, fo, input_ids, positions, kv_caches, attn, meta, *rest):
         calls.append((bool(meta.prefills), False))
-        return real_fused(self, fo, input_ids, positions, kv_caches, attn, meta, logits_indices)
+        return real_fused(self, fo, input_ids, positions, kv_caches, attn, meta, *rest)
 
     def record_begin(self, *args):
         calls[-1] = (calls[-1][0], True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmtower.executor import model_runner
 from llmtower.kernels import huge_pages as hp
 from llmtower.models import llama
 from tests.executor.exactness_helpers import add_greedy, make_engine, random_prompts, run_all
@@ -122,6 +123,7 @@ def test_engine_results_do_not_depend_on_the_pages(tiny_llama_dir, monkeypatch, 
             return out
 
         monkeypatch.setattr(llama.LlamaForCausalLM, "_logits", record)
+        monkeypatch.setattr(model_runner, "GREEDY_SCREEN", False)  # every step's logits
         monkeypatch.setattr(hp, "ENABLED", enabled)
         monkeypatch.setattr(hp, "MIN_BYTES", 0)
         core = make_engine(tiny_llama_dir, dtype=dtype, num_threads=2)
