@@ -64,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--breakdown", action="store_true",
                    help="the harness's one-stream cell through LLM.generate, per-part times")
+    p.add_argument("--dtype", default="bfloat16", help="--breakdown: the model's dtype")
     p.add_argument("--batch", type=int, default=1,
                    help="--breakdown: this many prompts at once (decode steps: all of them)")
     p.add_argument("--ab", action="store_true",
@@ -140,7 +141,7 @@ def breakdown(args: argparse.Namespace) -> None:
     """The vs_vllm.sh one-stream cell (bench_offline.py's llmtower settings), timed by part."""
     from llmtower import LLM
 
-    llm = LLM(model=args.model, dtype="bfloat16", num_threads=args.threads or 2,
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads or 2,
               max_model_len=512, kv_cache_memory="4GiB", seed=args.seed,
               enable_prefix_caching=False)
     core = llm.engine_core
@@ -228,7 +229,7 @@ def breakdown(args: argparse.Namespace) -> None:
                                 for k in dec[0]})
     runner_mod.DECODE_FAST_PATH = runner_mod.GREEDY_SCREEN = True
     sampler_mod.argmax_rows = fast_argmax
-    print(f"\n{args.batch} stream(s) (LLM.generate), bfloat16, {args.input_len} in / "
+    print(f"\n{args.batch} stream(s) (LLM.generate), {args.dtype}, {args.input_len} in / "
           f"{args.output_len} out, {args.rounds} rounds (median); load average {load0:.1f} -> "
           f"{os.getloadavg()[0]:.1f}")
     for v in variants:

@@ -44,7 +44,7 @@
 #define SCREEN_FAST 0
 #endif
 
-#define MAX_ROWS 8       /* rows per call (a few decode streams) */
+#define MAX_ROWS 256     /* rows per call: a decode step of the products' kernels */
 #define SCREEN_CHUNK 4   /* rows screened together per tile: 4 x 4 accumulators */
 
 int greedy_head_fast(void) { return SCREEN_FAST && HAVE_FAST && F32_FAST; }

@@ -27,8 +27,9 @@ from llmtower.kernels.huge_pages import empty_streamed
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 ENABLED = os.environ.get("LLMTOWER_GREEDY_HEAD", "1") != "0"
-# Most candidates a row may leave to exact computation; past it the full layer decides the row
-# (measured on SmolLM2: 1 candidate at the median, 481 at most over 1,024 rows).
+# Most candidates a row may leave to exact computation (``GreedyHead.cap``); past it the full
+# layer decides the row (measured on SmolLM2: 1 candidate at the median, 481 at most over
+# 1,024 rows).
 CANDIDATE_CAP = 2048
 # Rows of the weight quantized at a time at load (float64 work space: 4096 x K x 8 bytes).
 _LOAD_CHUNK = 4096
@@ -64,7 +65,7 @@ def greedy_head_error() -> str | None:
 
 
 def max_rows() -> int:
-    """Most sampled rows one call takes (a few decode streams)."""
+    """Most sampled rows one call takes (a decode step's, up to the products' kernels')."""
     return int(_lib().greedy_head_max_rows())
 
 
@@ -94,30 +95,39 @@ class GreedyHead:
                                      torch.int8)
         self._lib.greedy_head_pack(q.data_ptr(), self.n, self.k, self.packed.data_ptr())
         self.max_rows = max_rows()
+        # A call's scratch, grown to the most rows seen: each row's upper bounds (as many
+        # bytes as its float32 logits would take), candidates and their exact logits.
+        self.cap = CANDIDATE_CAP
+        self._rows, self._cap = 0, 0
         self._upper = torch.empty(0, dtype=torch.float32)
-        self.cand = torch.empty(self.max_rows * CANDIDATE_CAP, dtype=torch.int64)
-        self.cand_val = torch.empty(self.max_rows * CANDIDATE_CAP, dtype=torch.float32)
-        self.num_cand = torch.zeros(self.max_rows, dtype=torch.int64)
-        self._tokens = torch.empty(self.max_rows, dtype=torch.int64)
+        self.cand = torch.empty(0, dtype=torch.int64)
+        self.cand_val = torch.empty(0, dtype=torch.float32)
+        self.num_cand = torch.zeros(0, dtype=torch.int64)
+        self._tokens = torch.empty(0, dtype=torch.int64)
 
     def tokens(self, x: torch.Tensor) -> np.ndarray:
         """x [m, K] (the final norm's rows, the kernel's dtype, unit column stride) -> int64
         [m]: each row's greedy token, or -1 where the full output layer must decide (h not
-        finite, or more than ``CANDIDATE_CAP`` candidates)."""
+        finite, or more than ``cap`` candidates)."""
         m = x.shape[0] if x.dim() == 2 else 0
         if x.dtype != (torch.bfloat16 if self.bf16 else torch.float32) or x.dim() != 2 \
                 or x.shape[1] != self.k or x.stride(1) != 1 or not 1 <= m <= self.max_rows:
             raise ValueError(f"greedy head: x must be {'bfloat16' if self.bf16 else 'float32'} "
                              f"[1..{self.max_rows}, {self.k}] with unit column stride, not "
                              f"{x.dtype} {tuple(x.shape)}")
-        if self._upper.numel() < m * self.n:
-            self._upper = torch.empty(m * self.n, dtype=torch.float32)
+        if m > self._rows or self.cap != self._cap:
+            self._rows, self._cap = max(m, self._rows), max(1, self.cap)
+            self._upper = torch.empty(self._rows * self.n, dtype=torch.float32)
+            self.cand = torch.empty(self._rows * self._cap, dtype=torch.int64)
+            self.cand_val = torch.empty(self._rows * self._cap, dtype=torch.float32)
+            self.num_cand = torch.zeros(self._rows, dtype=torch.int64)
+            self._tokens = torch.empty(self._rows, dtype=torch.int64)
         stride = x.stride(0) if m > 1 else self.k
         rc = self._lib.greedy_head_tokens(
             x.data_ptr(), m, stride, int(self.bf16), self.packed.data_ptr(),
             self.consts.data_ptr(), self.kernel.packed.data_ptr(), self.n, self.k,
             self._upper.data_ptr(), self.cand.data_ptr(), self.cand_val.data_ptr(),
-            CANDIDATE_CAP, self.num_cand.data_ptr(), self._tokens.data_ptr(),
+            self._cap, self.num_cand.data_ptr(), self._tokens.data_ptr(),
             torch.get_num_threads(), self.path)
         if rc == -1:
             raise MemoryError("greedy head: could not allocate the quantized rows")
@@ -129,7 +139,7 @@ class GreedyHead:
         """The last call's candidates of ``row`` (vocabulary ids, ascending) and their exact
         logits (tests compare them with the full layer's)."""
         nc = int(self.num_cand[row])
-        base = row * CANDIDATE_CAP
+        base = row * self._cap
         return (self.cand.numpy()[base:base + nc].copy(),
                 self.cand_val.numpy()[base:base + nc].copy())
 
