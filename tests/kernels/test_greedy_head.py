@@ -131,6 +131,11 @@ def test_rows_it_cannot_decide_are_left_to_the_full_layer(dtype):
     got = head.tokens(x)
     want, _ = _full_argmax(kernel, x[:1])
     assert got.tolist() == [int(want[0]), -1, -1, -1]
+    huge = w.float().clone()
+    huge[11] = 3e36  # its logit overflows float32: the full layer decides
+    huge_head, huge_kernel = _head(huge.to(dtype))
+    x = torch.ones(1, 96, dtype=dtype)
+    assert huge_head.tokens(x).tolist() == [-1]
     small_w = (torch.randn(300, 96, generator=g) * 0.05).to(dtype)
     small, _ = _head(small_w)
     assert small.tokens(torch.zeros(1, 96, dtype=dtype)).tolist() == [0]  # all tie: the first

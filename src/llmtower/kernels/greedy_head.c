@@ -29,8 +29,8 @@
  * prompts, bfloat16): the bound is ~1.9 logits wide on average, the true error at most a fifth
  * of it, and the rows left to compute exactly number 1 (median), 10 (p90), 481 (max) of 49,152.
  *
- * A row whose h is not finite, whose bounds are not, or with more candidates than the caller's
- * cap is left to the full output layer (token -1).
+ * A row whose h is not finite, whose bounds are not (logits past float32's range), or with
+ * more candidates than the caller's cap is left to the full output layer (token -1).
  */
 #include <float.h>
 #include <math.h>
@@ -340,11 +340,18 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
         const float *u = upper + r * n;
         int64_t *cr = cand + r * cap, nc = 0;
         int over = 0;
+        /* A NaN or +inf upper bound (a logit past float32's range) proves nothing: the full
+         * layer decides such a row ("over"). */
         int64_t v = 0;
 #if SCREEN_FAST
-        const __m512 tv = _mm512_set1_ps(thr_lo);
+        const __m512 tv = _mm512_set1_ps(thr_lo), inf = _mm512_set1_ps(INFINITY);
         for (; v + 16 <= n && !over; v += 16) {
-            uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(u + v), tv, _CMP_GE_OQ);
+            const __m512 uv = _mm512_loadu_ps(u + v);
+            if (_mm512_cmp_ps_mask(uv, uv, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(uv, inf, _CMP_EQ_OQ)) {
+                over = 1;
+                break;
+            }
+            uint32_t mask = _mm512_cmp_ps_mask(uv, tv, _CMP_GE_OQ);
             for (; mask; mask &= mask - 1) {
                 if (nc == cap) { over = 1; break; }
                 cr[nc++] = v + __builtin_ctz(mask);
@@ -352,6 +359,7 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
         }
 #endif
         for (; v < n && !over; v++) {
+            if (isnan(u[v]) || u[v] == INFINITY) { over = 1; break; }
             if (u[v] >= thr_lo) {
                 if (nc == cap) { over = 1; break; }
                 cr[nc++] = v;
