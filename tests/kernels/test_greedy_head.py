@@ -132,7 +132,7 @@ def test_rows_it_cannot_decide_are_left_to_the_full_layer(dtype):
     want, _ = _full_argmax(kernel, x[:1])
     assert got.tolist() == [int(want[0]), -1, -1, -1]
     huge = w.float().clone()
-    huge[11] = 3e36  # its logit overflows float32: the full layer decides
+    huge[11] = 1e37  # its logit (9.6e38) overflows float32: the full layer decides
     huge_head, huge_kernel = _head(huge.to(dtype))
     x = torch.ones(1, 96, dtype=dtype)
     assert huge_head.tokens(x).tolist() == [-1]
