@@ -290,7 +290,8 @@ def main() -> None:
         dec = statistics.median(x[1] for x in rs)
         base = base or dec
         pages = "4k" if "4k" in flags else "2M"
-        greedy = "full logits" if "full" in flags else "screen"
+        model = cores[(dtype, quant, *flags)].executor.runner.model  # type: ignore[attr-defined]
+        greedy = "full logits" if "full" in flags or model.greedy_head is None else "screen"
         print(f"| {dtype} | {quant} | {pages} | {greedy} | {pre:.0f} | {dec:.1f} "
               f"| {dec / base:.2f}x |")
 
