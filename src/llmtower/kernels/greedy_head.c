@@ -10,7 +10,7 @@
  * the one the full logits would give, bit for bit, ties included (the first index).
  *
  * The int8 copy, laid out as gemv_bf16 lays bfloat16 out (tile t of 64 output rows, input
- * pair p; zero past V and K):
+ * pair p; zero past V and K; greedy_head.py packs it):
  *
  *   tile 0                               tile 1
  *   | p=0: w[0,0] w[0,1] w[1,0] .. w[63,1] | p=1: .. | ... | p=0: w[64,0] ..
@@ -49,23 +49,6 @@
 
 int greedy_head_fast(void) { return SCREEN_FAST && HAVE_FAST && F32_FAST; }
 int greedy_head_max_rows(void) { return MAX_ROWS; }
-
-int64_t greedy_head_packed_numel(int64_t n, int64_t k) {
-    return ((n + TILE - 1) / TILE) * TILE * ((k + 1) / 2) * 2;
-}
-
-/* q [n, k] int8 row-major -> the tile layout above. */
-void greedy_head_pack(const int8_t *q, int64_t n, int64_t k, int8_t *out) {
-    const int64_t pairs = (k + 1) / 2, tiles = (n + TILE - 1) / TILE;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t c = 0; c < TILE; c++)
-                for (int64_t e = 0; e < 2; e++) {
-                    int64_t row = t * TILE + c, col = 2 * p + e;
-                    out[((t * pairs + p) * TILE + c) * 2 + e] =
-                        row < n && col < k ? q[row * k + col] : 0;
-                }
-}
 
 /* ------------------------------------------------------------------ the screen */
 
@@ -276,7 +259,7 @@ static void exact_f32(const float *x, int64_t k, const float *wp, const int64_t 
 /* ------------------------------------------------------------------ the call */
 
 /* x [m, k] (row stride x_stride; bfloat16 if bf16 else float32), m <= MAX_ROWS.
- * qp: the int8 copy (greedy_head_pack); cs [3, n rounded up to 64]: s_v, then
+ * qp: the int8 copy (tile layout above); cs [3, n rounded up to 64]: s_v, then
  * |e_v| + gamma_K |w_v|, then s_v |q_v| (zero past n).
  * wp: the output layer's own packed weights (gemv_bf16 tiles or gemm_f32 panels).
  * upper: scratch [m, n]; cand [m, cap] and cand_val [m, cap]: each row's candidates and their

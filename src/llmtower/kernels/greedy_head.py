@@ -27,6 +27,7 @@ from llmtower.kernels.huge_pages import empty_streamed
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 ENABLED = os.environ.get("LLMTOWER_GREEDY_HEAD", "1") != "0"
+TILE = 64  # output rows per tile of the int8 copy (greedy_head.c)
 # Most candidates a row may leave to exact computation (``GreedyHead.cap``); past it the full
 # layer decides the row (measured on SmolLM2: 1 candidate at the median, 481 at most over
 # 1,024 rows).
@@ -40,10 +41,6 @@ def _lib() -> ctypes.CDLL:
     lib = load("greedy_head")
     lib.greedy_head_fast.restype = _INT
     lib.greedy_head_max_rows.restype = _INT
-    lib.greedy_head_packed_numel.argtypes = [_I64, _I64]
-    lib.greedy_head_packed_numel.restype = _I64
-    lib.greedy_head_pack.argtypes = [_P, _I64, _I64, _P]
-    lib.greedy_head_pack.restype = None
     lib.greedy_head_tokens.argtypes = [_P, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _P, _P, _P,
                                        _I64, _P, _P, _INT, _INT]
     lib.greedy_head_tokens.restype = _INT
@@ -91,9 +88,7 @@ class GreedyHead:
         self.path = path
         self._lib = _lib()
         q, self.consts = _quantize(weight, 2 * ((self.k + 1) // 2))
-        self.packed = empty_streamed(self._lib.greedy_head_packed_numel(self.n, self.k),
-                                     torch.int8)
-        self._lib.greedy_head_pack(q.data_ptr(), self.n, self.k, self.packed.data_ptr())
+        self.packed = _tiles(q)
         self.max_rows = max_rows()
         # A call's scratch, grown to the most rows seen: each row's upper bounds (as many
         # bytes as its float32 logits would take), candidates and their exact logits.
@@ -142,6 +137,18 @@ class GreedyHead:
         base = row * self._cap
         return (self.cand.numpy()[base:base + nc].copy(),
                 self.cand_val.numpy()[base:base + nc].copy())
+
+
+def _tiles(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [V, K] in the screen's layout (gemv_bf16's): tile t of 64 rows, input pair p,
+    then the 64 rows' two inputs, zero past V and K; on huge pages where they are on."""
+    n, k = q.shape
+    tiles, pairs = -(-n // TILE), -(-k // 2)
+    padded = torch.zeros(tiles * TILE, pairs * 2, dtype=torch.int8)
+    padded[:n, :k] = q
+    out = empty_streamed(padded.numel(), torch.int8)
+    out.view(tiles, pairs, TILE, 2).copy_(padded.view(tiles, TILE, pairs, 2).transpose(1, 2))
+    return out
 
 
 def _quantize(weight: torch.Tensor, k_sums: int) -> tuple[torch.Tensor, torch.Tensor]:
