@@ -32,6 +32,10 @@ TILE = 64  # output rows per tile of the int8 copy (greedy_head.c)
 # layer decides the row (measured on SmolLM2: 1 candidate at the median, 481 at most over
 # 1,024 rows).
 CANDIDATE_CAP = 2048
+# Most rows a bfloat16 screen takes: past ~48 the bfloat16 GEMM's dot products keep level with
+# the screen's int16 ones (benchmarks/greedy_head.py: 1.62x at 1 row, 1.22x at 16, 0.99x at
+# 64), while float32's FMAs fall behind at every size (1.77x at 64, 1.88x at 128).
+BF16_MAX_ROWS = 32
 # Rows of the weight quantized at a time at load (float64 work space: 4096 x K x 8 bytes).
 _LOAD_CHUNK = 4096
 
@@ -89,7 +93,7 @@ class GreedyHead:
         self._lib = _lib()
         q, self.consts = _quantize(weight, 2 * ((self.k + 1) // 2))
         self.packed = _tiles(q)
-        self.max_rows = max_rows()
+        self.max_rows = min(max_rows(), BF16_MAX_ROWS) if bf16 else max_rows()
         # A call's scratch, grown to the most rows seen: each row's upper bounds (as many
         # bytes as its float32 logits would take), candidates and their exact logits.
         self.cap = CANDIDATE_CAP
