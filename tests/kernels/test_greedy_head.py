@@ -148,6 +148,48 @@ def test_rows_it_cannot_decide_are_left_to_the_full_layer(dtype):
     assert got[0] == -1 or int(head.num_cand[0]) == 1
 
 
+def _masked_argmax(logits: torch.Tensor, allow: np.ndarray) -> np.ndarray:
+    """xgrammar's own masking (disallowed tokens to -inf), then the sampler's argmax."""
+    import xgrammar
+    target = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(target, torch.from_numpy(allow),
+                                         vocab_size=target.shape[1])
+    return np.argmax(target.numpy(), axis=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", [0, 1])
+def test_grammar_bitmasks_are_applied_as_xgrammar_applies_them(dtype, path):
+    """Rows under a random bitmask, one allowing a single token, one allowing every token (no
+    grammar), one allowing none (left to the full layer, whose logits are all -inf): the
+    tokens are the masked full logits' argmax, the row's best allowed token even where its
+    overall best is disallowed."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 1000, 96
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    head, kernel = _head(w, path)
+    words = -(-n // 32)
+    for trial in range(6):
+        x = torch.randn(5, k, generator=g)
+        x[0] = w[40].float() * 30  # its best token, 40, is disallowed below
+        x = x.to(dtype)
+        bits = torch.randint(0, 2, (5, words * 32), generator=g).bool().numpy()
+        bits[0, 40] = False
+        bits[1] = False
+        bits[1, 977 - trial] = True
+        bits[2] = True
+        bits[3] = False
+        allow = np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy()
+        logits = kernel(x).float()
+        want = _masked_argmax(logits, allow)
+        got = head.tokens(x, allow)
+        assert got[3] == -1 and want[3] == 0
+        assert got[:3].tolist() + got[4:].tolist() == want[:3].tolist() + want[4:].tolist()
+        assert got[1] == 977 - trial and got[0] != 40
+    with pytest.raises(ValueError, match="token bitmask"):
+        head.tokens(x, allow[:, :-1].copy())
+
+
 def test_bad_inputs_are_refused():
     w = torch.randn(200, 64).to(torch.bfloat16)
     head, _ = _head(w)
@@ -191,9 +233,9 @@ def _tokens(model_dir, dtype: str, screen: bool, monkeypatch, requests) -> tuple
     calls = []
     real = llama.LlamaForCausalLM.greedy_tokens
 
-    def record(self, hidden):
+    def record(self, hidden, allow=None):
         calls.append(hidden.shape[0])
-        return real(self, hidden)
+        return real(self, hidden, allow)
 
     monkeypatch.setattr(llama.LlamaForCausalLM, "greedy_tokens", record)
     core = make_engine(model_dir, dtype=dtype, num_threads=2)
@@ -241,3 +283,38 @@ def test_screen_tokens_equal_full_logits_on_greedy_runs(tiny_llama_dir, monkeypa
         add_greedy(core, random_prompts(5, 3, 30, seed=9), 20)
         outs.append(run_all(core))
     assert outs[0] == outs[1]
+
+
+def test_structured_greedy_tokens_do_not_change(tiny_llama_dir, monkeypatch):  # noqa: F811
+    """Greedy requests under a regex, a JSON schema and a choice beside plain greedy ones: the
+    same text with the screen on and off, and the screen took the grammar steps."""
+    from llmtower import LLM
+    from llmtower.structured_output import StructuredOutputsParams
+
+    calls: list[bool] = []
+    real = llama.LlamaForCausalLM.greedy_tokens
+
+    def record(self, hidden, allow=None):
+        calls.append(allow is not None)
+        return real(self, hidden, allow)
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "greedy_tokens", record)
+    llm = LLM(model=str(tiny_llama_dir), num_threads=2, max_model_len=256,
+              kv_cache_memory="16MiB", seed=0)
+    schema = {"type": "object", "properties": {"id": {"type": "integer"},
+                                               "name": {"type": "string", "maxLength": 8}},
+              "required": ["id", "name"]}
+    cases = [{"regex": r"(cat|dog)s? [a-z]{1,8}!"}, {"json": schema},
+             {"choice": ["positive", "negative", "neutral"]}, None]
+    prompts = ["Hello world", "The quick brown fox", "What is the capital of France?", "12"]
+    texts = []
+    for screen in (True, False):
+        monkeypatch.setattr(model_runner, "GREEDY_SCREEN", screen)
+        sps = [SamplingParams(temperature=0.0, max_tokens=40,
+                              structured_outputs=None if c is None else
+                              StructuredOutputsParams(**c)) for c in cases]
+        outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, sps)]
+        outs += [o.outputs[0] for o in llm.generate(prompts, sps, use_tqdm=False)]
+        texts.append([(o.text, o.finish_reason) for o in outs])
+    assert texts[0] == texts[1]
+    assert any(calls)  # grammar rows took the screen with their bitmasks

@@ -28,7 +28,7 @@ from llmtower.models.attention import (AttentionMetadata, PagedAttention, Prefil
                                        decode_batch, decode_groups, kernel_decode_mask)
 from llmtower.models.llama import LlamaForCausalLM
 from llmtower.spec_decode.runner_step import SpecDecodeStep, expand_logits_indices
-from llmtower.structured_output.bitmask import apply_grammar_bitmask
+from llmtower.structured_output.bitmask import apply_grammar_bitmask, grammar_logits_rows
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's
 # L3 cache between the gather and the attention that reads it, large enough to keep the number
@@ -106,7 +106,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, req_ids, num_spec)
         plan = inputs.prompt_plan
         if self._greedy_only(so, inputs, spec):
-            return self._execute_greedy(req_ids, inputs)
+            return self._execute_greedy(so, req_ids, inputs)
         indices = inputs.logits_indices if plan is None else torch.cat(
             [inputs.logits_indices, plan.flat_rows])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
@@ -131,19 +131,32 @@ class ModelRunner:
 
     def _greedy_only(self, so: SchedulerOutput, inputs: StepInputs,
                      spec: SpecDecodeStep | None) -> bool:
-        """Whether this step needs only its sampled rows' argmax tokens, few enough for the
-        model's greedy screen: no drafts, prompt logprobs or grammar, every row plain greedy."""
+        """Whether this step needs only its sampled rows' argmax tokens (grammars allowing),
+        few enough for the model's greedy screen: no drafts or prompt logprobs, every row
+        plain greedy."""
         m = len(inputs.sample_rows)
+        bitmask = so.grammar_bitmask
         return (GREEDY_SCREEN and spec is None and inputs.prompt_plan is None
-                and so.grammar_bitmask is None and 0 < m <= self.model.greedy_rows()
+                and (bitmask is None
+                     or bitmask.shape[1] == -(-self.model.config.vocab_size // 32))
+                and 0 < m <= self.model.greedy_rows()
                 and self.sampler.plain_greedy(inputs.sample_rows, self.batch))
 
-    def _execute_greedy(self, req_ids: list[str], inputs: StepInputs) -> ModelRunnerOutput:
+    def _execute_greedy(self, so: SchedulerOutput, req_ids: list[str],
+                        inputs: StepInputs) -> ModelRunnerOutput:
         """A step of plain greedy rows: the model stops at the final norm and picks the
-        tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take)."""
+        tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take, after
+        the grammars' bitmasks)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
                             self.attn, inputs.meta, inputs.logits_indices, head=False)
-        tokens = self.model.greedy_tokens(hidden)
+        allow = None
+        if so.grammar_bitmask is not None:
+            logits_rows, mask_rows = grammar_logits_rows(so, req_ids, inputs.sample_mask)
+            if logits_rows:  # the other rows allow every token
+                bitmask = so.grammar_bitmask
+                allow = np.full((len(inputs.sample_rows), bitmask.shape[1]), -1, np.int32)
+                allow[logits_rows] = bitmask[mask_rows]
+        tokens = self.model.greedy_tokens(hidden, allow)
         self.batch.append_sampled(inputs.sample_rows, tokens)
         out = self._output(req_ids, inputs.sample_mask, tokens, None)
         self.heap_trimmer.after_step()

@@ -126,34 +126,49 @@ static inline float up_f(double v) {
 
 /* The epilogue of one screened row over columns [c0, c0 + n): from the int32 sums, each
  * column's interval [lo, hi] around its logit; hi into `upper`, the largest lo returned.
+ * `allow` (or NULL: every column): the row's grammar bitmask, bit v of word v / 32 set where
+ * token v is allowed; a disallowed column's logit is -inf, as apply_token_bitmask makes it.
  * In float32 with slack for its roundings: center c = acc * (s_v * s_h) carries at most ~3
  * roundings (2^-22 |c|), rad = (a h + b d + tiny) three more, hi and lo one each; RAD_SLACK
  * and CENTER_SLACK cover them many times over, so hi and lo bound the float64 interval. */
 #define RAD_SLACK (1.0f + 0x1p-16f)
 #define CENTER_SLACK 0x1p-16f
 static float epilogue(const int32_t *acc, const float *cs_s, const float *cs_a, const float *cs_b,
-                      const RowScreen *rs, int64_t n, float *upper, float lower, int fast) {
+                      const RowScreen *rs, int64_t n, float *upper, float lower,
+                      const uint32_t *allow, int64_t c0, int fast) {
     int64_t c = 0;
 #if SCREEN_FAST
     if (fast) {
         const __m512 sh = _mm512_set1_ps(rs->sf), hn = _mm512_set1_ps(rs->hf);
         const __m512 dn = _mm512_set1_ps(rs->df), tn = _mm512_set1_ps(rs->tf);
         const __m512 rs_k = _mm512_set1_ps(RAD_SLACK), cs_k = _mm512_set1_ps(CENTER_SLACK);
-        __m512 lo_max = _mm512_set1_ps(-INFINITY);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        __m512 lo_max = ninf;
         for (; c + 16 <= n; c += 16) {
             __m512 cen = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c)),
                                        _mm512_mul_ps(_mm512_loadu_ps(cs_s + c), sh));
             __m512 rad = _mm512_fmadd_ps(_mm512_loadu_ps(cs_a + c), hn,
                                          _mm512_fmadd_ps(_mm512_loadu_ps(cs_b + c), dn, tn));
             rad = _mm512_fmadd_ps(_mm512_abs_ps(cen), cs_k, _mm512_mul_ps(rad, rs_k));
-            _mm512_storeu_ps(upper + c, _mm512_add_ps(cen, rad));
-            lo_max = _mm512_max_ps(lo_max, _mm512_sub_ps(cen, rad));
+            __m512 hi = _mm512_add_ps(cen, rad), lo = _mm512_sub_ps(cen, rad);
+            if (allow) { /* c0 + c is a multiple of 16: its 16 bits sit in one word */
+                const int64_t col = c0 + c;
+                const __mmask16 keep = (__mmask16)(allow[col >> 5] >> (col & 31));
+                hi = _mm512_mask_mov_ps(ninf, keep, hi);
+                lo = _mm512_mask_mov_ps(ninf, keep, lo);
+            }
+            _mm512_storeu_ps(upper + c, hi);
+            lo_max = _mm512_max_ps(lo_max, lo);
         }
         lower = fmaxf(lower, _mm512_reduce_max_ps(lo_max));
     }
 #endif
     (void)fast;
     for (; c < n; c++) {
+        if (allow && !((allow[(c0 + c) >> 5] >> ((c0 + c) & 31)) & 1u)) {
+            upper[c] = -INFINITY;
+            continue;
+        }
         float cen = (float)acc[c] * (cs_s[c] * rs->sf);
         float rad = fmaf(cs_a[c], rs->hf, fmaf(cs_b[c], rs->df, rs->tf));
         rad = fmaf(fabsf(cen), CENTER_SLACK, rad * RAD_SLACK);
@@ -264,13 +279,17 @@ static void exact_f32(const float *x, int64_t k, const float *wp, const int64_t 
  * wp: the output layer's own packed weights (gemv_bf16 tiles or gemm_f32 panels).
  * upper: scratch [m, n]; cand [m, cap] and cand_val [m, cap]: each row's candidates and their
  * exact logits (first num_cand[r]); tokens [m]: the greedy token, or -1 (the full layer must
- * decide this row). path: 0 fast where compiled in, 1 portable (tests compare them).
- * Returns 0, or 1 on bad sizes. */
+ * decide this row). allow [m, allow_words] (or NULL): each row's grammar bitmask (all ones for
+ * a row without a grammar); allow_words must cover n. path: 0 fast where compiled in, 1
+ * portable (tests compare them). Returns 0, or 1 on bad sizes. */
 int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, const int8_t *qp,
                        const float *cs, const void *wp, int64_t n, int64_t k, float *upper,
                        int64_t *cand, float *cand_val, int64_t cap, int64_t *num_cand,
-                       int64_t *tokens, int num_threads, int path) {
-    if (m < 1 || m > MAX_ROWS || n <= 0 || k <= 0 || cap < 1 || x_stride < k) return 1;
+                       int64_t *tokens, const uint32_t *allow, int64_t allow_words,
+                       int num_threads, int path) {
+    if (m < 1 || m > MAX_ROWS || n <= 0 || k <= 0 || cap < 1 || x_stride < k
+            || (allow && allow_words * 32 < n))
+        return 1;
     const int64_t pairs = (k + 1) / 2, tiles = (n + TILE - 1) / TILE, n_pad = tiles * TILE;
     const int fast = SCREEN_FAST && path == 0;
     const size_t es = bf16 ? 2 : 4;
@@ -299,11 +318,14 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
                 for (int64_t j0 = 0; j0 < nl; j0 += SCREEN_CHUNK) {
                     int rows = (int)(nl - j0 < SCREEN_CHUNK ? nl - j0 : SCREEN_CHUNK);
                     screen_tile(r16 + j0 * pairs * 2, pairs, rows, qp + c0 * pairs * 2, acc, fast);
-                    for (int j = 0; j < rows; j++)
+                    for (int j = 0; j < rows; j++) {
+                        const int64_t r = live[j0 + j];
                         lower[j0 + j] = epilogue(acc + j * TILE, cs + c0, cs + n_pad + c0,
-                                                 cs + 2 * n_pad + c0, &rs[live[j0 + j]], c_end,
-                                                 upper + live[j0 + j] * n + c0, lower[j0 + j],
+                                                 cs + 2 * n_pad + c0, &rs[r], c_end,
+                                                 upper + r * n + c0, lower[j0 + j],
+                                                 allow ? allow + r * allow_words : NULL, c0,
                                                  fast);
+                    }
                 }
             }
 #pragma omp critical

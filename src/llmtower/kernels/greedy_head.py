@@ -46,7 +46,7 @@ def _lib() -> ctypes.CDLL:
     lib.greedy_head_fast.restype = _INT
     lib.greedy_head_max_rows.restype = _INT
     lib.greedy_head_tokens.argtypes = [_P, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _P, _P, _P,
-                                       _I64, _P, _P, _INT, _INT]
+                                       _I64, _P, _P, _P, _I64, _INT, _INT]
     lib.greedy_head_tokens.restype = _INT
     return lib
 
@@ -104,10 +104,12 @@ class GreedyHead:
         self.num_cand = torch.zeros(0, dtype=torch.int64)
         self._tokens = torch.empty(0, dtype=torch.int64)
 
-    def tokens(self, x: torch.Tensor) -> np.ndarray:
+    def tokens(self, x: torch.Tensor, allow: np.ndarray | None = None) -> np.ndarray:
         """x [m, K] (the final norm's rows, the kernel's dtype, unit column stride) -> int64
         [m]: each row's greedy token, or -1 where the full output layer must decide (h not
-        finite, or more than ``cap`` candidates)."""
+        finite, no token allowed, or more than ``cap`` candidates). ``allow``: int32 [m,
+        ceil(V / 32)], each row's grammar bitmask (xgrammar's: bit v set where token v is
+        allowed; -1 words for a row without a grammar), or None."""
         m = x.shape[0] if x.dim() == 2 else 0
         if x.dtype != (torch.bfloat16 if self.bf16 else torch.float32) or x.dim() != 2 \
                 or x.shape[1] != self.k or x.stride(1) != 1 or not 1 <= m <= self.max_rows:
@@ -121,13 +123,19 @@ class GreedyHead:
             self.cand_val = torch.empty(self._rows * self._cap, dtype=torch.float32)
             self.num_cand = torch.zeros(self._rows, dtype=torch.int64)
             self._tokens = torch.empty(self._rows, dtype=torch.int64)
+        words = -(-self.n // 32)
+        if allow is not None and (allow.dtype != np.int32 or allow.shape != (m, words)
+                                  or not allow.flags.c_contiguous):
+            raise ValueError(f"greedy head: the token bitmask must be contiguous int32 "
+                             f"[{m}, {words}], not {allow.dtype} {allow.shape}")
         stride = x.stride(0) if m > 1 else self.k
         rc = self._lib.greedy_head_tokens(
             x.data_ptr(), m, stride, int(self.bf16), self.packed.data_ptr(),
             self.consts.data_ptr(), self.kernel.packed.data_ptr(), self.n, self.k,
             self._upper.data_ptr(), self.cand.data_ptr(), self.cand_val.data_ptr(),
             self._cap, self.num_cand.data_ptr(), self._tokens.data_ptr(),
-            torch.get_num_threads(), self.path)
+            None if allow is None else allow.ctypes.data, words, torch.get_num_threads(),
+            self.path)
         if rc == -1:
             raise MemoryError("greedy head: could not allocate the quantized rows")
         if rc != 0:

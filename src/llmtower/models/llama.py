@@ -336,17 +336,23 @@ class LlamaForCausalLM:
             return 0
         return min(g.max_rows, linear_mod.decode_kernel_rows(self.lm_head))
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> np.ndarray:
+    def greedy_tokens(self, hidden: torch.Tensor, allow: np.ndarray | None = None
+                      ) -> np.ndarray:
         """The final norm's rows (``forward(..., head=False)``, at most ``greedy_rows()``)
         -> int64 [rows]: the argmax of each row's logits, the first on ties, as the sampler
-        takes it from ``forward``'s logits. The greedy screen decides most rows; the full
-        output layer the rest."""
+        takes it from ``forward``'s logits (``allow``: int32 [rows, ceil(vocab / 32)] grammar
+        bitmasks, the disallowed tokens' logits -inf). The greedy screen decides most rows;
+        the full output layer the rest."""
         assert self.greedy_head is not None
-        tokens = self.greedy_head.tokens(hidden)
+        tokens = self.greedy_head.tokens(hidden, allow)
         left = np.flatnonzero(tokens < 0)
         if left.size:
-            logits = self._logits(hidden[torch.from_numpy(left)])
-            tokens[left] = np.argmax(logits.numpy(), axis=-1)
+            logits = self._logits(hidden[torch.from_numpy(left)]).numpy()
+            if allow is not None:
+                allowed = np.unpackbits(allow[left].view(np.uint8), axis=1,
+                                        bitorder="little")[:, :logits.shape[1]]
+                logits[allowed == 0] = -np.inf
+            tokens[left] = np.argmax(logits, axis=-1)
         return tokens
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
