@@ -318,3 +318,25 @@ def test_structured_greedy_tokens_do_not_change(tiny_llama_dir, monkeypatch):  #
         texts.append([(o.text, o.finish_reason) for o in outs])
     assert texts[0] == texts[1]
     assert any(calls)  # grammar rows took the screen with their bitmasks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_min_tokens_masks_and_top_p_keep_the_screen_exact(tiny_llama_dir, monkeypatch,  # noqa: F811
+                                                          dtype):
+    """Greedy rows with top-p / top-k (which never drop the top token) and with min_tokens
+    holding back stop tokens that greedy would emit: the screen takes them, with the stop
+    tokens masked while min_tokens is unmet, and the tokens equal the sampler's."""
+    prompts = random_prompts(4, 3, 20, seed=12)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base, _ = _tokens(tiny_llama_dir, dtype, False, monkeypatch,
+                      [(f"b{i}", p, plain) for i, p in enumerate(prompts)])
+    reqs = [(f"m{i}", p, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6,
+                                         stop_token_ids=base[f"b{i}"][:3], top_p=0.9, top_k=5))
+            for i, p in enumerate(prompts)]
+    on, used = _tokens(tiny_llama_dir, dtype, True, monkeypatch, reqs)
+    off, _ = _tokens(tiny_llama_dir, dtype, False, monkeypatch, reqs)
+    assert on == off
+    assert used > 0
+    for i in range(len(prompts)):  # greedy's own first token is a stop token: held back
+        assert on[f"m{i}"][0] != base[f"b{i}"][0]
+        assert len(on[f"m{i}"]) >= 6

@@ -52,6 +52,10 @@ class InputBatch:
         self.prompt_logprobs_next = np.zeros(0, dtype=np.int64)  # next prompt position to score
         # Anything beyond "argmax" or "softmax with temperature, then sample".
         self.needs_processing = np.zeros(0, dtype=bool)
+        # Logprobs, a logit bias or a penalty: the logits matter beyond their argmax. A greedy
+        # row without them takes the argmax of its logits after its min_tokens and grammar
+        # masks (top-k, top-p and min-p never drop the top token).
+        self.needs_full_logits = np.zeros(0, dtype=bool)
         self.stop_ids_for_min_tokens: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (ids, bias)
         self.generators: dict[int, torch.Generator] = {}
@@ -168,6 +172,9 @@ class InputBatch:
             # such rows keep the sampler's fast path (one argmax for a greedy step)
             or bool(self.stop_ids_for_min_tokens.get(row))
             or sp.logprobs is not None or bool(bias))
+        self.needs_full_logits[row] = (
+            sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+            or sp.repetition_penalty != 1.0 or sp.logprobs is not None or bool(bias))
         if sp.seed is not None and not sp.greedy:
             g = torch.Generator()
             g.manual_seed(sp.seed)
@@ -202,6 +209,7 @@ class InputBatch:
         self.num_prompt_logprobs = grow(self.num_prompt_logprobs, -1)
         self.prompt_logprobs_next = grow(self.prompt_logprobs_next)
         self.needs_processing = grow(self.needs_processing, False)
+        self.needs_full_logits = grow(self.needs_full_logits, False)
         self.row_to_req_id.extend([None] * (capacity - old))
         # New rows go under the free ones (pop() takes from the end), lowest row last.
         self.free_rows[:0] = range(capacity - 1, old - 1, -1)

@@ -146,16 +146,17 @@ class ModelRunner:
                         inputs: StepInputs) -> ModelRunnerOutput:
         """A step of plain greedy rows: the model stops at the final norm and picks the
         tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take, after
-        the grammars' bitmasks)."""
+        the grammars' bitmasks and the min_tokens masks)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
                             self.attn, inputs.meta, inputs.logits_indices, head=False)
         allow = None
+        words = -(-self.model.config.vocab_size // 32)
         if so.grammar_bitmask is not None:
             logits_rows, mask_rows = grammar_logits_rows(so, req_ids, inputs.sample_mask)
             if logits_rows:  # the other rows allow every token
-                bitmask = so.grammar_bitmask
-                allow = np.full((len(inputs.sample_rows), bitmask.shape[1]), -1, np.int32)
-                allow[logits_rows] = bitmask[mask_rows]
+                allow = np.full((len(inputs.sample_rows), words), -1, np.int32)
+                allow[logits_rows] = so.grammar_bitmask[mask_rows]
+        allow = self.sampler.min_tokens_masks(inputs.sample_rows, self.batch, allow, words)
         tokens = self.model.greedy_tokens(hidden, allow)
         self.batch.append_sampled(inputs.sample_rows, tokens)
         out = self._output(req_ids, inputs.sample_mask, tokens, None)

@@ -52,10 +52,30 @@ class Sampler:
 
     @staticmethod
     def plain_greedy(rows: np.ndarray, batch: InputBatch) -> bool:
-        """Whether every one of these rows takes the plain argmax of its logits (greedy; no
-        logprobs, bias, penalty or EOS mask): then the token is all the step needs."""
+        """Whether every one of these rows takes the argmax of its logits after its min_tokens
+        (and grammar) masks: greedy, no logprobs, bias or penalty. Then the token is all the
+        step needs (``min_tokens_masks`` gives the masks)."""
         return bool((batch.temperature[rows] < _GREEDY_TEMPERATURE).all()
-                    and not batch.needs_processing[rows].any())
+                    and not batch.needs_full_logits[rows].any())
+
+    @staticmethod
+    def min_tokens_masks(rows: np.ndarray, batch: InputBatch, allow: np.ndarray | None,
+                         words: int) -> np.ndarray | None:
+        """``allow`` (int32 [rows, words] token bitmasks, or None: every token allowed) with
+        the stop tokens cleared for the rows that have not reached their min_tokens yet, as
+        ``_process`` sets their logits to -inf."""
+        stops = batch.stop_ids_for_min_tokens
+        if not stops:
+            return allow
+        for i, row in enumerate(rows.tolist()):
+            ids = stops.get(row)
+            if ids and batch.num_tokens[row] - batch.num_prompt_tokens[row] < batch.min_tokens[row]:
+                if allow is None:
+                    allow = np.full((len(rows), words), -1, dtype=np.int32)
+                bits = allow.view(np.uint32)
+                for t in ids:
+                    bits[i, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return allow
 
     # ------------------------------------------------------------------ logits processing
     def _process(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
