@@ -99,8 +99,12 @@ def test_greedy_screen_gives_the_full_layers_tokens(smollm2, monkeypatch, dtype)
     model = llm.engine_core.executor.runner.model
     left = []
     real = model.greedy_head.tokens
-    monkeypatch.setattr(model.greedy_head, "tokens",
-                        lambda x: left.append(int((t := real(x)).__lt__(0).sum())) or t)
+    def tokens(x, allow=None):
+        t = real(x, allow)
+        left.append(int((t < 0).sum()))
+        return t
+
+    monkeypatch.setattr(model.greedy_head, "tokens", tokens)
     tok = load_tokenizer(smollm2)
     chat = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     g = torch.Generator().manual_seed(0)
