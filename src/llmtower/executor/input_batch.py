@@ -160,7 +160,9 @@ class InputBatch:
             if not sp.ignore_eos:
                 eos = self.eos_token_ids if eos_token_id is None else [eos_token_id]
                 stop += [t for t in eos if t not in stop]
-            self.stop_ids_for_min_tokens[row] = [t for t in stop if 0 <= t < self.vocab_size]
+            ids = [t for t in stop if 0 <= t < self.vocab_size]
+            if ids:  # none to mask (ignore_eos, no stop ids): min_tokens changes no logit
+                self.stop_ids_for_min_tokens[row] = ids
         bias = {t: b for t, b in (sp.logit_bias or {}).items() if 0 <= t < self.vocab_size}
         if bias:
             self.logit_bias[row] = (torch.tensor(list(bias), dtype=torch.int64),
