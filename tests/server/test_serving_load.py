@@ -109,11 +109,28 @@ def test_a_stream_that_hangs_up_is_aborted(tiny_server):
 
 def test_a_plain_request_whose_client_gives_up_is_aborted(tiny_server):
     before = _num_aborted(tiny_server)
-    # 16 samples (--max-n) of 480 tokens: 480 steps of a batch of 16, far longer than the
-    # client waits.
-    body = {"model": MODEL, "prompt": "give up", "max_tokens": 480, "n": 16, "ignore_eos": True}
-    try:
-        httpx.post(f"{tiny_server.base_url}/v1/completions", json=body, timeout=0.3)
-    except httpx.TimeoutException:
-        pass
+    # 4 prompts x 16 samples (--max-n) of 480 tokens: 480 steps of a batch of 64, about a
+    # second on the tiny model. The client hangs up once /metrics shows it running (a fixed
+    # client timeout raced the request: alone, 16 samples finish in ~0.3 s).
+    body = {"model": MODEL, "prompt": ["give up", "give in", "let go", "walk away"],
+            "max_tokens": 480, "n": 16, "ignore_eos": True}
+
+    async def give_up() -> None:
+        async with httpx.AsyncClient(timeout=60) as aclient:
+            post = asyncio.create_task(
+                aclient.post(f"{tiny_server.base_url}/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not post.done():
+                text = (await aclient.get(f"{tiny_server.base_url}/metrics")).text
+                if _metric(text, "vllm:num_requests_running") > 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert not post.done(), "the request ended before the client could give up"
+            post.cancel()  # closes the connection: the server sees the client go away
+            try:
+                await post
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(give_up())
     assert _wait_for_aborts(tiny_server, before + 1) > before
