@@ -42,9 +42,10 @@ async def _collect(client: EngineCoreClient, num_requests: int):
     return tokens, errors
 
 
-def _run(coro_fn, args: EngineArgs, factory=make_fake_engine):
+def _run(coro_fn, args: EngineArgs, factory=make_fake_engine, sigterm_grace_s=None):
     async def main():
-        client = EngineCoreClient(args, factory, stats_interval_s=0.05)
+        client = EngineCoreClient(args, factory, stats_interval_s=0.05,
+                                  sigterm_grace_s=sigterm_grace_s)
         try:
             await asyncio.wait_for(client.start(), GUARD_S)
             return await coro_fn(client)
@@ -170,6 +171,42 @@ def test_killed_engine_fails_waiting_callers_and_names_the_signal():
         return waited
 
     _run(body, EngineArgs(model="fake"), make_slow_fake_engine)
+
+
+def test_a_sigterm_under_a_grace_lets_the_request_finish_and_the_parent_stop_the_engine():
+    """A signal to the whole process group: the engine keeps serving and the API process,
+    which got it too, stops it when its drain ends."""
+    async def body(client):
+        await client.add_request(_req("t", [1, 2, 3], max_tokens=30))
+        first = await asyncio.wait_for(client.get_output(), GUARD_S)
+        os.kill(client.pid, signal.SIGTERM)
+        tokens, errors = await _collect(client, 1)
+        return first, tokens, errors, client.is_dead, client.proc
+
+    first, tokens, errors, dead, proc = _run(body, EngineArgs(model="fake"),
+                                             make_slow_fake_engine, sigterm_grace_s=60.0)
+    got = sum(len(o.new_token_ids) for o in first.outputs) + len(tokens.get("t", []))
+    assert not errors and not dead and got == 30
+    assert proc.exitcode == 0  # shutdown() stopped it, well before the 60 s grace
+
+
+def test_a_sigterm_to_the_engine_alone_ends_it_after_the_grace():
+    async def body(client):
+        await client.add_request(_req("t", [1, 2, 3], max_tokens=10_000))
+        await asyncio.wait_for(client.get_output(), GUARD_S)
+        os.kill(client.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        steps_after = 0
+        with pytest.raises(EngineDeadError, match="exit code 0"):
+            while True:
+                item = await asyncio.wait_for(client.get_output(), GUARD_S)
+                steps_after += len(item.outputs)
+        return steps_after, time.monotonic() - t0
+
+    steps_after, waited = _run(body, EngineArgs(model="fake"), make_slow_fake_engine,
+                               sigterm_grace_s=1.0)
+    assert steps_after > 0  # it went on stepping within the grace
+    assert waited >= 0.9  # and did not exit before it
 
 
 def test_engine_that_fails_to_start_reports_its_error():

@@ -168,3 +168,32 @@ def test_ctrl_c_of_an_idle_server_logs_one_line(tmp_path_factory, tiny_llama_dir
         assert _engine_gone(engine_pid)
     finally:
         server.stop()
+
+
+def test_sigterm_to_the_whole_process_group_still_drains(tmp_path_factory, tiny_llama_dir):
+    """systemd (KillMode=control-group), `kill -TERM -- -PGID` and `timeout` signal every
+    process at once: the engine must not die under the requests the API server is draining."""
+    server = start_server(tmp_path_factory, "group_term_server", [
+        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"])
+    try:
+        url = f"{server.base_url}/v1/completions"
+        results: dict = {}
+        started = threading.Event()
+        worker = threading.Thread(target=_stream, args=(url, {
+            "model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}, results, "s", started))
+        worker.start()
+        assert started.wait(120), "the stream never started"
+        engine_pid = server.engine_pid()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        worker.join(60)
+        assert server.proc.wait(60) == 0
+        status, lines = results["s"]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        log = _log_after(server, "SIGTERM")
+        assert "died" not in log and "Traceback" not in log, log
+        assert log.count("llmtower stopped") == 1
+        assert _engine_gone(engine_pid)
+    finally:
+        server.stop()

@@ -68,7 +68,8 @@ class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, *, tokenizer: Any = None,
                  engine_factory: EngineFactory = default_engine_factory,
                  request_timeout_s: float | None = None, stats_interval_s: float = 0.5,
-                 chat_template: str | None = None, log_stats: bool = True) -> None:
+                 chat_template: str | None = None, log_stats: bool = True,
+                 engine_sigterm_grace_s: float | None = None) -> None:
         if engine_args.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={engine_args.data_parallel_size} is invalid: "
                              "use 1 (one engine) or more")
@@ -79,9 +80,11 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
         self.client: EngineClient = (
-            DPEngineCoreClient(engine_args, engine_factory, stats_interval_s)
+            DPEngineCoreClient(engine_args, engine_factory, stats_interval_s,
+                               engine_sigterm_grace_s)
             if engine_args.data_parallel_size > 1
-            else EngineCoreClient(engine_args, engine_factory, stats_interval_s))
+            else EngineCoreClient(engine_args, engine_factory, stats_interval_s,
+                                  engine_sigterm_grace_s))
         self.served_model_names = engine_args.served_model_names
         self.model_name = self.served_model_names[0]
         self.chat_template = chat_template

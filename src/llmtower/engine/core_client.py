@@ -72,10 +72,11 @@ class EngineCoreClient:
 
     def __init__(self, engine_args: EngineArgs,
                  engine_factory: EngineFactory = default_engine_factory,
-                 stats_interval_s: float = 0.5) -> None:
+                 stats_interval_s: float = 0.5, sigterm_grace_s: float | None = None) -> None:
         self.engine_args = engine_args
         self.engine_factory = engine_factory
         self.stats_interval_s = stats_interval_s
+        self.sigterm_grace_s = sigterm_grace_s  # EngineCoreProc.run_engine_core's
         self.ready: EngineReady | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.dead_reason: str | None = None  # set once the engine is known to be dead
@@ -119,7 +120,7 @@ class EngineCoreClient:
         self.proc = mp.Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore",
             args=(self.engine_factory, self.engine_args, input_address, output_address,
-                  self.stats_interval_s), daemon=True)
+                  self.stats_interval_s, self.sigterm_grace_s), daemon=True)
         self.proc.start()
         logger.info("engine core process started (pid %d)", self.proc.pid)
         self._loop.add_reader(self.proc.sentinel, self._on_process_exit)

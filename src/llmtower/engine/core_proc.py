@@ -14,6 +14,7 @@ the whole process machinery with a model-free engine.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import multiprocessing
@@ -92,15 +93,19 @@ class EngineCoreProc:
     @staticmethod
     def run_engine_core(engine_factory: EngineFactory, engine_args: EngineArgs,
                         input_address: str, output_address: str,
-                        stats_interval_s: float = 0.5) -> None:
+                        stats_interval_s: float = 0.5,
+                        sigterm_grace_s: float | None = None) -> None:
         """Target of the engine process: build the engine, shake hands, run the busy loop.
 
         Exits 0 after a SHUTDOWN message (or when the parent process is gone) and 1 after a
         failure, which is first reported to the client as a DEAD message with the traceback.
+        A SIGTERM exits 0 at once, or, with ``sigterm_grace_s``, only after that many seconds
+        while the parent lives (see ``_defer_sigterm``).
         """
         # Ctrl-C reaches the whole process group; the API server decides when we stop.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, _raise_system_exit)
+        signal.signal(signal.SIGTERM, _raise_system_exit if sigterm_grace_s is None
+                      else functools.partial(_defer_sigterm, sigterm_grace_s))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s [engine] %(message)s")
         ctx = zmq.Context()
@@ -427,3 +432,21 @@ def _num_unfinished(engine_core: EngineCore) -> int:
 
 def _raise_system_exit(_signum: int, _frame: object) -> None:
     raise SystemExit(0)
+
+
+def _defer_sigterm(grace_s: float, _signum: int, _frame: object) -> None:
+    """SIGTERM under an API server. systemd (KillMode=control-group), ``kill -- -PGID`` and
+    ``timeout`` signal the API process and the engine at once: the API process then drains
+    its requests for up to --shutdown-timeout and stops the engine with a SHUTDOWN message,
+    so exiting here would fail the very requests it drains. The engine keeps stepping and
+    exits on its own only if nothing stopped it ``grace_s`` seconds later (a SIGTERM sent to
+    the engine alone); a parent that is gone ends it at once (the input thread notices too)."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not parent.is_alive():
+        raise SystemExit(0)
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return  # a second SIGTERM: the first one's deadline stands
+    logger.info("SIGTERM: the API process (pid %s) stops the engine after draining; exiting "
+                "on its own in %g s otherwise", parent.pid, grace_s)
+    signal.signal(signal.SIGALRM, _raise_system_exit)
+    signal.setitimer(signal.ITIMER_REAL, grace_s)

@@ -84,7 +84,7 @@ class DPEngineCoreClient:
 
     def __init__(self, engine_args: EngineArgs,
                  engine_factory: EngineFactory = default_engine_factory,
-                 stats_interval_s: float = 0.5) -> None:
+                 stats_interval_s: float = 0.5, sigterm_grace_s: float | None = None) -> None:
         n = engine_args.data_parallel_size
         if n < 2:
             raise ValueError(f"data_parallel_size={n}: use EngineCoreClient for one engine")
@@ -95,6 +95,7 @@ class DPEngineCoreClient:
         self.topology = engine_args.topology()
         self.engine_factory = engine_factory
         self.stats_interval_s = stats_interval_s
+        self.sigterm_grace_s = sigterm_grace_s
         self.clients: list[EngineCoreClient] = [self._make_client(r) for r in range(n)]
         self.ready: EngineReady | None = None
         self.loads = [EngineLoad() for _ in range(n)]
@@ -117,7 +118,8 @@ class DPEngineCoreClient:
             return RemoteEngineClient(self.engine_args, self.topology, rank)
         args = dataclasses.replace(self.engine_args, data_parallel_rank=rank,
                                    num_threads=engine_threads(self.engine_args))
-        return EngineCoreClient(args, self.engine_factory, self.stats_interval_s)
+        return EngineCoreClient(args, self.engine_factory, self.stats_interval_s,
+                                self.sigterm_grace_s)
 
     # ------------------------------------------------------------------ state
     @property

@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # How long /ready waits for the engine loop to answer between two steps.
 READY_TIMEOUT_S = 5.0
+# An engine that got a SIGTERM with this server (a signal to the whole process group) waits
+# for the drain (--shutdown-timeout) and the stop after it, plus this, before it exits alone.
+ENGINE_STOP_MARGIN_S = 15.0
 
 
 @dataclass
@@ -217,7 +220,9 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     sock = bind_socket(settings.host, settings.port)
     llm = AsyncLLM(engine_args, engine_factory=engine_factory,
                    request_timeout_s=settings.request_timeout,
-                   chat_template=settings.chat_template, log_stats=settings.log_stats)
+                   chat_template=settings.chat_template, log_stats=settings.log_stats,
+                   # A SIGTERM to the whole group must not kill the engine under the drain.
+                   engine_sigterm_grace_s=settings.shutdown_timeout + ENGINE_STOP_MARGIN_S)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     # Our handlers, not uvicorn's: SIGTERM / Ctrl-C drain the server (shutdown.py); during
