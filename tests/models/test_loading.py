@@ -152,7 +152,7 @@ def test_unsupported_architecture(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"):
         load_model_config(tmp_path)
 
 

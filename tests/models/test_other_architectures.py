@@ -4,7 +4,7 @@ SmolLM2's shapes (hidden 576, head_dim 64, 9:3 heads, everything a multiple of 6
 bugs; these tiny random-weight models do not: Qwen2 with q/k/v biases and Qwen2-0.5B's own
 shapes (896 / 4864, 14:2 heads, tied embeddings), hidden and intermediate sizes and vocabularies
 that are not multiples of 64 (or of 16), head_dim 32 / 40 / 96 / 128, GQA ratios 1, 2, 4, 7,
-Llama with attention biases, Mistral with a sliding window, llama3 RoPE scaling under a small
+Llama with attention biases, Qwen3 with q/k norms, Mistral with a sliding window, llama3 RoPE scaling under a small
 max_position_embeddings. For each, through a real EngineCore with chunked prefill and prefix
 caching on:
 
@@ -73,6 +73,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "llama_hd96_gqa4_bias": dict(arch="llama", hidden_size=200, intermediate_size=344,
                                  num_heads=4, num_kv_heads=1, head_dim=96, vocab_size=600,
                                  extra_config={"attention_bias": True}),
+    # Qwen3: per-head RMSNorm of q and k before RoPE (q_norm / k_norm), no q/k/v biases,
+    # head_dim 64 set apart from hidden / heads (256 wide q on a 160-wide residual), GQA 2,
+    # tied embeddings, as Qwen3-0.6B (whose shapes are 1024 / 3072, 16:8 heads of 128).
+    "qwen3_hd64_gqa2_tied": dict(arch="qwen3", tie=True, hidden_size=160, intermediate_size=352,
+                                 num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=600,
+                                 rope_theta=1_000_000.0, random_norms=True),
     # Within the window sliding-window attention is full attention: max_model_len is capped to it.
     "mistral_window48": dict(arch="mistral", sliding_window=48, hidden_size=128,
                              intermediate_size=200, num_heads=4, num_kv_heads=4),
@@ -254,18 +260,33 @@ def test_quantized_model_loads_runs_and_matches_its_dequantized_weights(variant,
     assert all(len(g) == MAX_TOKENS for g in got)
 
 
-def test_qwen2_gguf_kept_quantized_matches_its_dequantized_model(variant, tmp_path):
-    """A Qwen2-0.5B-shaped GGUF (Q4_1 attention, Q4_0 MLP, Q8_0 embeddings; q/k/v biases, tied,
-    q/k rows not permuted) run with --quantization gguf, against the float model of the same
-    file's dequantized tensors."""
+# Variants whose widths are multiples of 32 (GGUF's 4-bit blocks) -> (GGUF architecture,
+# queries per KV head).
+GGUF_VARIANTS = {"qwen2_0.5b_shapes": ("Qwen2ForCausalLM", 7),
+                 "qwen3_hd64_gqa2_tied": ("Qwen3ForCausalLM", 2)}
+
+
+def test_qwen_gguf_kept_quantized_matches_its_dequantized_model(variant, tmp_path):
+    """A Qwen2-0.5B-shaped GGUF (q/k/v biases) and a Qwen3 one (q/k norms, head_dim apart
+    from hidden / heads): written in float32 they give transformers' greedy tokens; written as
+    llama.cpp quantizes (Q4_1 attention, Q4_0 MLP, Q8_0 embeddings; tied, q/k rows not
+    permuted) and run with --quantization gguf, they match the float model of the same file's
+    dequantized tensors."""
     import gguf
 
     from llmtower.models.gguf_loader import gguf_model_config, gguf_state_dict, open_gguf
     from llmtower.models.gguf_quant import gguf_quantized_state_dict
     from tests.fixtures.tiny_gguf import write_gguf_from_hf_dir
 
-    if variant.name != "qwen2_0.5b_shapes":
-        pytest.skip("GGUF's 4-bit blocks need widths in multiples of 32: Qwen2-0.5B's shapes")
+    if variant.name not in GGUF_VARIANTS:
+        pytest.skip("GGUF's 4-bit blocks need widths in multiples of 32: the Qwen variants")
+    arch, group = GGUF_VARIANTS[variant.name]
+    f32 = write_gguf_from_hf_dir(variant.path, tmp_path / "f32.gguf")
+    core = make_engine(f32, max_model_len=64, **CHUNKED)
+    add_greedy(core, PROMPTS, MAX_TOKENS)
+    out = run_all(core)
+    assert [out[str(i)] for i in range(len(PROMPTS))] == \
+        variant.reference(torch.float32)[:len(PROMPTS)]
     q = gguf.GGMLQuantizationType
 
     def qtype_of(name: str, _w: Any) -> Any:
@@ -274,7 +295,7 @@ def test_qwen2_gguf_kept_quantized_matches_its_dequantized_model(variant, tmp_pa
     path = write_gguf_from_hf_dir(variant.path, tmp_path / "qwen2-q4.gguf", qtype_of=qtype_of)
     reader = open_gguf(path)
     cfg = gguf_model_config(reader)
-    assert cfg.architecture == "Qwen2ForCausalLM" and cfg.num_queries_per_kv == 7
+    assert cfg.architecture == arch and cfg.num_queries_per_kv == group
     quantized = LlamaForCausalLM(cfg, gguf_quantized_state_dict(reader, cfg), torch.bfloat16, 64,
                                  quantization="gguf")
     assert isinstance(quantized.layers[0].qkv, QuantizedLinear) and quantized.layers[0].qkv.kind == "int4"

@@ -10,13 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # config.json files without "architectures" still name their family in "model_type".
 _MODEL_TYPE_TO_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 _ARCHITECTURE_TO_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE_TO_ARCHITECTURE.items()}
@@ -25,7 +27,8 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 @dataclass
 class ModelConfig:
-    """Owns the hyperparameters of one Llama-family decoder (Llama, Qwen2, Mistral, SmolLM).
+    """Owns the hyperparameters of one Llama-family decoder (Llama, Qwen2, Qwen3, Mistral,
+    SmolLM).
 
     ``num_key_value_heads=0`` means "as many as attention heads" (no GQA) and ``head_dim=0`` means
     ``hidden_size // num_attention_heads``; both are filled in on construction.
@@ -35,6 +38,8 @@ class ModelConfig:
     one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
     follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.
     ``sliding_window`` is Mistral's attention window, as written in its config.json (None: none).
+    ``qk_norm`` (Qwen3) means each head's query and key are RMS-normalized, with weights of
+    ``head_dim`` per layer, before the rotary embedding.
     """
 
     architecture: str
@@ -55,6 +60,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -112,8 +118,8 @@ class ModelConfig:
         sliding_window = None
         if arch == "MistralForCausalLM":
             sliding_window = cfg.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-            raise ValueError(f"{file}: Qwen2 use_sliding_window=true is not supported; set it to false")
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+            raise ValueError(f"{file}: use_sliding_window=true is not supported; set it to false")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -134,6 +140,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, file.parent / "generation_config.json"),
             sliding_window=sliding_window,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -141,12 +148,13 @@ class ModelConfig:
         d = asdict(self)
         arch = d.pop("architecture")
         eos = d.pop("eos_token_ids")
+        d.pop("qk_norm")  # implied by the architecture (Qwen3)
         out: dict[str, Any] = {"architectures": [arch], "model_type": _ARCHITECTURE_TO_MODEL_TYPE[arch]}
         out.update(d)
         out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
         out["mlp_bias"] = False
         out["torch_dtype"] = "float32"
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             out["use_sliding_window"] = False
         return out
 

@@ -22,6 +22,7 @@ from llmtower.models.gguf_dequant import dequantize
 _ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {"architecture": "LlamaForCausalLM", "permuted_qk": True, "attention_bias": False},
     "qwen2": {"architecture": "Qwen2ForCausalLM", "permuted_qk": False, "attention_bias": True},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "permuted_qk": False, "attention_bias": False},
 }
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -40,6 +41,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) over a flat batch of tokens.
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM) over a flat batch of tokens.
 
 A step's tokens from many requests (prefill chunks and decodes mixed) form one ``[T]`` batch:
 every linear layer runs once over all T rows; only attention looks at which request a row
@@ -69,6 +69,8 @@ class DecoderLayerWeights:
     up: torch.Tensor | PackedWeight | None
     down: Weight
     gate_up: QuantizedLinear | None = None  # [2 * intermediate, hidden]: gate rows, then up
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of queries (qk_norm)
+    k_norm: torch.Tensor | None = None  # [D]: and of keys
 
 
 class LlamaForCausalLM:
@@ -148,7 +150,8 @@ class LlamaForCausalLM:
     def _decode_layers(self) -> DecodeLayers | None:
         """The fused decode layer's view of the weights, where it can run (bfloat16 or
         float32 float weights with the decode-step kernel's copies), else None."""
-        if len(self.layers) < 2 or self.head_dim % 2 or decode_layer_error(self.dtype) is not None:
+        if len(self.layers) < 2 or self.head_dim % 2 or decode_layer_error(self.dtype) is not None \
+                or self.config.qk_norm:  # the C layer has no step for Qwen3's q/k norms
             return None
         kernel = GemvWeight if self.dtype == torch.bfloat16 else GemmF32Weight
         parts = []
@@ -221,7 +224,9 @@ class LlamaForCausalLM:
             gate=gate, up=up,
             down=_packed(_fuse([take.linear(p + "mlp.down_proj.weight",
                                             (c.hidden_size, c.intermediate_size))])),
-            gate_up=fused_gate_up)
+            gate_up=fused_gate_up,
+            q_norm=take(p + "self_attn.q_norm.weight", (hd,)) if c.qk_norm else None,
+            k_norm=take(p + "self_attn.k_norm.weight", (hd,)) if c.qk_norm else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -300,7 +305,7 @@ class LlamaForCausalLM:
             if i < c_until:
                 continue
             if dl is None or i == 0:  # else q and v come from the fused call of layer i - 1
-                qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+                qkv = self._qk_norm(apply_linear(x, layer.qkv, layer.qkv_bias), layer)
                 q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                         cos, sin, positions, meta.slot_mapping, kv_caches[i],
                                         want_k)
@@ -368,7 +373,7 @@ class LlamaForCausalLM:
                    attn: PagedAttention, meta: AttentionMetadata, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._qk_norm(apply_linear(x, layer.qkv, layer.qkv_bias), layer)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         qk = self.rope.apply(qk, cos, sin)
@@ -377,6 +382,19 @@ class LlamaForCausalLM:
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, kv_cache, meta)
         return apply_linear(o, layer.o_proj, layer.o_bias)
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
+        """Qwen3: each query and key head RMS-normalized with its layer's weights, in place
+        in the fused q/k/v rows, before the rotary embedding (as transformers' Qwen3Attention
+        does to q_proj's and k_proj's outputs)."""
+        if layer.q_norm is None or layer.k_norm is None:
+            return qkv
+        t, h, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, :self.q_size].view(t, h, d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hkv, d)
+        q.copy_(rms_norm(q, layer.q_norm, self.eps))
+        k.copy_(rms_norm(k, layer.k_norm, self.eps))
+        return qkv
 
     def _mlp(self, x: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
         if layer.gate_up is not None:
@@ -437,7 +455,7 @@ class _Taker:
         t = self.state_dict.get(name)
         if t is None:
             raise ValueError(f"the checkpoint lacks tensor {name!r}: is it a complete "
-                             "Llama-family (Llama, Qwen2, Mistral) checkpoint?")
+                             "Llama-family (Llama, Qwen2, Qwen3, Mistral) checkpoint?")
         if tuple(t.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
                              f"{shape}: the weights do not match the config")
