@@ -198,7 +198,12 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             limits.check_prompt_chars(len(body.prompt or ""))
             ids = await llm.encode_async(body.prompt or "",
                                          add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        # token_strs: null unless asked for (vLLM's shape).
+        strs = (llm.tokenizer.convert_ids_to_tokens(ids)
+                if body.return_token_strs and hasattr(llm.tokenizer, "convert_ids_to_tokens")
+                else None)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len,
+                "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

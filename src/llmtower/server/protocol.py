@@ -54,8 +54,9 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 # ============================================================================ requests
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    # null is "not asked" (vLLM accepts it too).
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -107,6 +108,7 @@ class SamplingRequestFields(OpenAIModel):
     include_metrics: bool = False
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False  # vLLM's: the token ids of the prompt and of each choice
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     # Structured outputs (vLLM's names; see docs/structured_outputs.md): one of these.
@@ -124,6 +126,7 @@ class SamplingRequestFields(OpenAIModel):
         """``defaults`` (generation_config.json's, --generation-config) fill what the request
         leaves out."""
         d = defaults or {}
+        self._check_stream_options()
 
         def pick(value: Any, name: str, fallback: Any) -> Any:
             return value if value is not None else d.get(name, fallback)
@@ -157,6 +160,13 @@ class SamplingRequestFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs_of(self))
 
+    def _check_stream_options(self) -> None:
+        if self.stream_options is not None and self.stream_options.model_fields_set \
+                and not self.stream:
+            # As OpenAI and vLLM: usage options of a stream that is not one are a mistake.
+            raise ValueError("stream_options=... applies only to streamed responses: send "
+                             "stream=true, or leave stream_options out")
+
     def _prompt_logprobs(self) -> int | None:
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs=... is not available when streaming: send "
@@ -166,6 +176,13 @@ class SamplingRequestFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+        chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequestFields):
@@ -178,13 +195,24 @@ class CompletionRequest(SamplingRequestFields):
     suffix: str | None = None
     best_of: Count | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (OpenAI's legacy way to score a prompt): the answer
+        is the prompt alone, with its logprobs if asked; nothing generated is returned."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 is out of range: ask for at least 1 token, or send "
+                             "echo=true as well to get the prompt (and its logprobs) alone")
         if self.suffix:
             raise ValueError("suffix is not supported; remove it from the request")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported; leave it out or set "
                              f"it equal to n={self.n}")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        # Echo alone still runs one step (the engine always generates); it is not returned.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(OpenAIModel):
@@ -262,6 +290,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's string in the vocabulary too
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -325,6 +354,10 @@ class CompletionChoice(OpenAIModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    # return_token_ids (vLLM's): the prompt's ids (the first chunk of a stream) and the
+    # choice's generated ids (each chunk: its new ones).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _nulls(self, handler: Any) -> dict[str, Any]:
@@ -376,6 +409,7 @@ class ChatChoice(OpenAIModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -388,6 +422,7 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIModel):
@@ -402,6 +437,7 @@ class ChatStreamChoice(OpenAIModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
     @model_serializer(mode="wrap")
     def _nulls(self, handler: Any) -> dict[str, Any]:
@@ -418,6 +454,7 @@ class ChatCompletionChunk(OpenAIModel):
     system_fingerprint: str | None = SYSTEM_FINGERPRINT
     usage: UsageInfo | None = None
     metrics: RequestMetricsInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class CompletionChunk(OpenAIModel):

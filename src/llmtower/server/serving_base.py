@@ -28,6 +28,7 @@ class ClientDisconnected(Exception):
 
 
 MAX_TENANT_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
 
 
 class ServingBase:
@@ -49,6 +50,32 @@ class ServingBase:
             raise APIError(f"the tenant name ({header or 'user'}) has {len(tenant)} characters; "
                            f"use at most {MAX_TENANT_CHARS}", 400, param="user")
         return tenant
+
+    def request_ids(self, prefix: str, req: Any, raw: Any) -> tuple[str, str]:
+        """The response's id and the engine's. As vLLM, the client's own id — the
+        ``X-Request-Id`` header, else the body's ``request_id`` — names the response
+        (``f"{prefix}-{id}"``); the engine's id adds a random suffix, so that two requests
+        that bring the same id (a retry while the first still runs) never share one."""
+        given = (raw.headers.get("x-request-id") if raw is not None else None) or \
+            getattr(req, "request_id", None)
+        if not given:
+            rid = new_request_id(prefix)
+            return rid, rid
+        if len(given) > MAX_REQUEST_ID_CHARS or not all("!" <= ch <= "~" for ch in given):
+            raise APIError(f"the request id (X-Request-Id header or request_id field) must be "
+                           f"1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without "
+                           "spaces", 400, param="request_id")
+        public = f"{prefix}-{given}"
+        return public, f"{public}-{uuid.uuid4().hex[:8]}"
+
+    def check_stop_token_ids(self, params: Any) -> None:
+        """A stop token the model cannot produce is a mistake in the request (vLLM: 400)."""
+        vocab = self.llm.vocab_size
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
+        if bad:
+            raise APIError(f"stop_token_ids names token id(s) {bad[:5]} outside the "
+                           f"vocabulary of {vocab} tokens (0..{vocab - 1})", 400,
+                           param="stop_token_ids")
 
     def check_model(self, model: str | None) -> None:
         """Any of --served-model-name's names (or none) is this server's model."""

@@ -20,7 +20,7 @@ from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan
                                                       constrain_to_tools, plan_tools,
                                                       tool_finish_reason)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
-                                          merge_streams, metrics_info, new_request_id, sse,
+                                          merge_streams, metrics_info, sse,
                                           prompt_logprobs_json, sse_error, token_text,
                                           until_disconnect)
 
@@ -75,6 +75,7 @@ class OpenAIServingChat(ServingBase):
         self.check_model(req.model)
         self.limits.check_n(req.n)
         params = req.to_sampling_params(self.llm.default_sampling)
+        self.check_stop_token_ids(params)
         template_kwargs = self.limits.check_template_kwargs(
             req.chat_template_kwargs, getattr(req, "chat_template", None))
         # Tools: a constraint for "required" / a named function, the template's tools.
@@ -89,8 +90,8 @@ class OpenAIServingChat(ServingBase):
                                                        **template_kwargs)
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
-        request_id = new_request_id("chatcmpl")
-        stream = merge_streams([self.llm.generate(prompt, ids, params, request_id,
+        request_id, engine_id = self.request_ids("chatcmpl", req, raw)
+        stream = merge_streams([self.llm.generate(prompt, ids, params, engine_id,
                                                   priority=req.priority,
                                                   cache_salt=req.cache_salt,
                                                   tenant=self.tenant_of(req, raw))])
@@ -102,21 +103,23 @@ class OpenAIServingChat(ServingBase):
             return Response(status_code=499)
         top_k = req.top_logprobs or 0
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, len(ids), params.n, top_k,
+            return StreamingResponse(self._stream(req, request_id, ids, params.n, top_k,
                                                   first, stream, plan),
                                      media_type="text/event-stream")
         try:
             return await until_disconnect(
-                raw, self._collect(req, request_id, len(ids), params.n, top_k, first, stream,
+                raw, self._collect(req, request_id, ids, params.n, top_k, first, stream,
                                    plan))
         except ClientDisconnected:
             return Response(status_code=499)
 
-    async def _collect(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+    async def _collect(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                        n: int, top_k: int, first, stream,
                        plan: ToolPlan | None = None) -> ChatCompletionResponse:
+        num_prompt = len(prompt_ids)
         texts = [""] * n
         num_tokens = [0] * n
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[SampleLogprobs] = [[] for _ in range(n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         final: RequestOutput | None = None
@@ -128,6 +131,7 @@ class OpenAIServingChat(ServingBase):
             for c in ro.outputs:
                 texts[c.index] += c.text
                 num_tokens[c.index] += len(c.token_ids)
+                token_ids[c.index] += c.token_ids
                 if c.logprobs:
                     logprobs[c.index].extend(c.logprobs)
                 if c.finish_reason is not None:
@@ -145,7 +149,9 @@ class OpenAIServingChat(ServingBase):
                 logprobs=(chat_logprobs(logprobs[i], top_k, req.return_tokens_as_token_ids)
                           if req.logprobs else None),
                 finish_reason=tool_finish_reason(finish[i][0], bool(messages[i].tool_calls)),
-                stop_reason=finish[i][1]) for i in range(n)],
+                stop_reason=finish[i][1],
+                token_ids=token_ids[i] if req.return_token_ids else None) for i in range(n)],
+            prompt_token_ids=prompt_ids if req.return_token_ids else None,
             usage=make_usage(num_prompt, sum(num_tokens),
                              final.num_cached_tokens if final else 0),
             prompt_logprobs=(prompt_logprobs_json(prompt_lps, req.prompt_logprobs)
@@ -153,15 +159,24 @@ class OpenAIServingChat(ServingBase):
             metrics=metrics_info(final.metrics if final else None) if req.include_metrics
             else None)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       n: int, top_k: int, first, stream,
                       plan: ToolPlan | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
         model = self.model_name
+        num_prompt = len(prompt_ids)
+        choice_tokens = [0] * n  # generated so far, per choice
+        ids_sent = False  # return_token_ids: the prompt's ids go on the first chunk
 
-        def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, created=created, model=model,
-                                       choices=choices)
+        def chunk(choices: list[ChatStreamChoice], num_cached: int = 0) -> ChatCompletionChunk:
+            nonlocal ids_sent
+            out = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                      choices=choices)
+            if req.return_token_ids and not ids_sent:
+                out.prompt_token_ids, ids_sent = prompt_ids, True
+            if req.continuous_usage and choices:  # the prompt and this choice's tokens so far
+                out.usage = make_usage(num_prompt, choice_tokens[choices[0].index], num_cached)
+            return out
 
         # One choice per chunk, as OpenAI streams n > 1.
         for i in range(n):
@@ -177,6 +192,8 @@ class OpenAIServingChat(ServingBase):
                 choices = []
                 for c in ro.outputs:
                     num_tokens += len(c.token_ids)
+                    choice_tokens[c.index] += len(c.token_ids)
+                    wants_ids = req.return_token_ids and bool(c.token_ids)
                     delta = DeltaMessage(content=c.text or None)
                     finish_reason = c.finish_reason
                     if streamers is not None:  # tool calls: content and/or call deltas
@@ -185,19 +202,21 @@ class OpenAIServingChat(ServingBase):
                                                                  c.finish_reason is not None)
                         finish_reason = tool_finish_reason(c.finish_reason, s.called)
                         if (delta.content is None and delta.tool_calls is None
-                                and c.finish_reason is None and not c.logprobs):
+                                and c.finish_reason is None and not c.logprobs and not wants_ids):
                             continue
-                    elif not c.text and c.finish_reason is None and not c.logprobs:
+                    elif (not c.text and c.finish_reason is None and not c.logprobs
+                          and not wants_ids):
                         continue
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=delta,
                         logprobs=(chat_logprobs(c.logprobs, top_k, req.return_tokens_as_token_ids)
                                   if c.logprobs else None),
-                        finish_reason=finish_reason, stop_reason=c.stop_reason))
+                        finish_reason=finish_reason, stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None))
                 if ro.finished:
                     final = ro
                 for k, choice in enumerate(choices):
-                    out = chunk([choice])
+                    out = chunk([choice], ro.num_cached_tokens)
                     if (ro.finished and k == len(choices) - 1 and req.include_metrics
                             and not req.include_usage):
                         out.metrics = metrics_info(ro.metrics)

@@ -15,7 +15,7 @@ from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                       CompletionRequest, CompletionResponse)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
-                                          merge_streams, metrics_info, new_request_id,
+                                          merge_streams, metrics_info,
                                           prompt_logprobs_json, sse, sse_error, token_text,
                                           until_disconnect)
 
@@ -49,6 +49,7 @@ class _Choice:
     def __init__(self) -> None:
         self.text = ""
         self.num_tokens = 0
+        self.token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -62,6 +63,7 @@ class OpenAIServingCompletion(ServingBase):
         self.check_model(req.model)
         self.limits.check_n(req.n, req.best_of)
         params = req.to_sampling_params(self.llm.default_sampling)
+        self.check_stop_token_ids(params)
         if req.echo and req.logprobs is not None:
             if req.stream:
                 raise ValueError("echo=true with logprobs is not available when streaming: "
@@ -74,9 +76,9 @@ class OpenAIServingCompletion(ServingBase):
             kept = self.llm.check_prompt(ids, params)  # truncate_prompt_tokens applies here
             prompts.append((text if len(kept) == len(ids) else None, kept))
         note_prompt(prompts[0][0])
-        request_id = new_request_id("cmpl")
+        request_id, engine_id = self.request_ids("cmpl", req, raw)
         tenant = self.tenant_of(req, raw)
-        streams = [self.llm.generate(text, ids, params, f"{request_id}-{i}",
+        streams = [self.llm.generate(text, ids, params, f"{engine_id}-{i}",
                                      priority=req.priority, cache_salt=req.cache_salt,
                                      tenant=tenant)
                    for i, (text, ids) in enumerate(prompts)]
@@ -106,8 +108,9 @@ class OpenAIServingCompletion(ServingBase):
         if ch.logprobs is None:
             return None
         as_ids = req.return_tokens_as_token_ids
-        if not (req.echo and prompt_lps):
+        if not req.echo:
             return completion_logprobs(ch.logprobs, as_ids=as_ids)
+        prompt_lps = prompt_lps or [None]  # a one-token prompt has nothing scored
         first_id = prompt[1][0]
         first = token_text(first_id, self.llm.decode([first_id], skip_special_tokens=False),
                            as_ids)
@@ -155,8 +158,15 @@ class OpenAIServingCompletion(ServingBase):
                 prompt_lps[i] = ro.prompt_logprobs
             for c in ro.outputs:
                 ch = choices[i * n + c.index]
+                if req.echo_only:  # the one token the engine made is not part of the answer
+                    if c.logprobs is not None:
+                        ch.logprobs = ch.logprobs or []
+                    if c.finish_reason is not None:
+                        ch.finish_reason = "length"
+                    continue
                 ch.text += c.text
                 ch.num_tokens += len(c.token_ids)
+                ch.token_ids += c.token_ids
                 if c.logprobs is not None:
                     ch.logprobs = (ch.logprobs or []) + c.logprobs
                 if c.finish_reason is not None:
@@ -172,7 +182,9 @@ class OpenAIServingCompletion(ServingBase):
                 index=k, text=ch.text, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
                 logprobs=self._choice_logprobs(req, ch, prompts[k // n], prompt_lps[k // n]),
                 prompt_logprobs=(prompt_logprobs_json(prompt_lps[k // n], req.prompt_logprobs)
-                                 if req.prompt_logprobs is not None else None))
+                                 if req.prompt_logprobs is not None else None),
+                prompt_token_ids=prompts[k // n][1] if req.return_token_ids else None,
+                token_ids=ch.token_ids if req.return_token_ids else None)
                 for k, ch in enumerate(choices)],
             usage=make_usage(sum(len(ids) for _, ids in prompts),
                              sum(ch.num_tokens for ch in choices),
@@ -183,37 +195,59 @@ class OpenAIServingCompletion(ServingBase):
                       n: int, first, merged) -> AsyncGenerator[str, None]:
         created = int(time.time())
         num_tokens = 0
-        offsets = [0] * (len(prompts) * n)
+        num_choices = len(prompts) * n
+        offsets = [0] * num_choices
+        choice_tokens = [0] * num_choices  # generated so far, per choice
+        ids_sent = [False] * num_choices  # return_token_ids: the prompt's ids went out
         finals: list[RequestOutput] = []
         item = first
+
+        def chunk_of(choice: CompletionChoice, num_cached: int = 0) -> CompletionChunk:
+            k = choice.index
+            if req.return_token_ids:
+                choice.token_ids = choice.token_ids or []
+                if not ids_sent[k]:
+                    choice.prompt_token_ids, ids_sent[k] = prompts[k // n][1], True
+            out = CompletionChunk(id=request_id, created=created, model=self.model_name,
+                                  choices=[choice])
+            if req.continuous_usage:  # this choice's prompt and its tokens so far
+                out.usage = make_usage(len(prompts[k // n][1]), choice_tokens[k], num_cached)
+            return out
+
         try:
             if req.echo:  # the prompt first, one chunk per choice
-                for k in range(len(prompts) * n):
-                    yield sse(CompletionChunk(
-                        id=request_id, created=created, model=self.model_name,
-                        choices=[CompletionChoice(index=k, text=self._echo_text(prompts[k // n]))]
+                for k in range(num_choices):
+                    yield sse(chunk_of(CompletionChoice(
+                        index=k, text=self._echo_text(prompts[k // n]))
                     ).model_dump_json(exclude_none=True))
             while item is not None:
                 i, ro = item
                 choices = []
                 for c in ro.outputs:
                     k = i * n + c.index
+                    if req.echo_only:  # the one token the engine made is not returned
+                        if c.finish_reason is not None:
+                            choices.append(CompletionChoice(index=k, text="",
+                                                            finish_reason="length"))
+                        continue
                     num_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not c.logprobs:
+                    choice_tokens[k] += len(c.token_ids)
+                    if (not c.text and c.finish_reason is None and not c.logprobs
+                            and not (req.return_token_ids and c.token_ids)):
                         continue
                     lp = None
                     if c.logprobs:
                         lp = completion_logprobs(c.logprobs, offsets[k],
                                                  req.return_tokens_as_token_ids)
                         offsets[k] += sum(len(t) for t in lp.tokens)
-                    choices.append(CompletionChoice(index=k, text=c.text, logprobs=lp,
-                                                    finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+                    choices.append(CompletionChoice(
+                        index=k, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None))
                 if ro.finished:
                     finals.append(ro)
                 for j, choice in enumerate(choices):  # one choice per chunk, as OpenAI does
-                    chunk = CompletionChunk(id=request_id, created=created, model=self.model_name,
-                                            choices=[choice])
+                    chunk = chunk_of(choice, ro.num_cached_tokens)
                     if (ro.finished and j == len(choices) - 1 and req.include_metrics
                             and not req.include_usage):
                         chunk.metrics = metrics_info(ro.metrics)
