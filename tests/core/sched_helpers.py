@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
-from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.request import Request
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.core.sched.scheduler import Scheduler

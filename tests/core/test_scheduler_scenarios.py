@@ -101,7 +101,7 @@ def scripted_engine(script: dict[str, list[int]], **kw):
     e = make_engine(num_blocks=64, **kw)
     pos: dict[str, int] = {}
 
-    def token_fn(rid, seq):
+    def token_fn(rid, _seq):
         i = pos.get(rid, 0)
         pos[rid] = i + 1
         return script[rid][i]
