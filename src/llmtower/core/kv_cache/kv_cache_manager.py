@@ -75,7 +75,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = num_computed_tokens // self.block_size
+        # Only blocks whose tokens are all known: under --async-scheduling the computed count
+        # already covers the input of a step in flight, a token not sampled yet, and a block
+        # hashed without it would be registered under the hash of its first slots alone.
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(rid, 0)
         if num_full <= start:
             return
