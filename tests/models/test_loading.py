@@ -152,10 +152,27 @@ def test_unsupported_architecture(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM"):
         load_model_config(tmp_path)
 
 
 def test_missing_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path}"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "top_level"])
+def test_phi3_partial_rotary_is_refused_by_name(tmp_path, tiny_llama_dir, where):
+    """Phi-4-mini rotates 3/4 of each head: refused, not run with the wrong positions."""
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["architectures"] = ["Phi3ForCausalLM"]
+    config.pop("rope_scaling", None)
+    if where == "rope_parameters":
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.75}
+    else:
+        config.pop("rope_parameters", None)
+        config["partial_rotary_factor"] = 0.75
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        load_model_config(tmp_path)

@@ -4,7 +4,7 @@ SmolLM2's shapes (hidden 576, head_dim 64, 9:3 heads, everything a multiple of 6
 bugs; these tiny random-weight models do not: Qwen2 with q/k/v biases and Qwen2-0.5B's own
 shapes (896 / 4864, 14:2 heads, tied embeddings), hidden and intermediate sizes and vocabularies
 that are not multiples of 64 (or of 16), head_dim 32 / 40 / 96 / 128, GQA ratios 1, 2, 4, 7,
-Llama with attention biases, Qwen3 with q/k norms, Mistral with a sliding window, llama3 RoPE scaling under a small
+Llama with attention biases, Qwen3 with q/k norms, Phi-3 with fused projections, Mistral with a sliding window, llama3 RoPE scaling under a small
 max_position_embeddings. For each, through a real EngineCore with chunked prefill and prefix
 caching on:
 
@@ -79,6 +79,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3_hd64_gqa2_tied": dict(arch="qwen3", tie=True, hidden_size=160, intermediate_size=352,
                                  num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=600,
                                  rope_theta=1_000_000.0, random_norms=True),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), a sliding window as
+    # Phi-3-mini-4k's (2047 there), GQA 3, head_dim 32.
+    "phi3_fused_window40": dict(arch="phi3", sliding_window=40, hidden_size=96,
+                                intermediate_size=200, num_heads=3, num_kv_heads=1,
+                                vocab_size=600, random_norms=True),
     # Within the window sliding-window attention is full attention: max_model_len is capped to it.
     "mistral_window48": dict(arch="mistral", sliding_window=48, hidden_size=128,
                              intermediate_size=200, num_heads=4, num_kv_heads=4),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # config.json files without "architectures" still name their family in "model_type".
@@ -20,6 +20,7 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _ARCHITECTURE_TO_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE_TO_ARCHITECTURE.items()}
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -28,7 +29,7 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 @dataclass
 class ModelConfig:
     """Owns the hyperparameters of one Llama-family decoder (Llama, Qwen2, Qwen3, Mistral,
-    SmolLM).
+    Phi-3, SmolLM).
 
     ``num_key_value_heads=0`` means "as many as attention heads" (no GQA) and ``head_dim=0`` means
     ``hidden_size // num_attention_heads``; both are filled in on construction.
@@ -37,7 +38,8 @@ class ModelConfig:
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2). Whether o_proj has
     one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
     follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.
-    ``sliding_window`` is Mistral's attention window, as written in its config.json (None: none).
+    ``sliding_window`` is Mistral's (and Phi-3's) attention window, as written in its config.json
+    (None: none). Phi-3 is Llama with q/k/v and gate/up stored fused (``loader`` splits them).
     ``qk_norm`` (Qwen3) means each head's query and key are RMS-normalized, with weights of
     ``head_dim`` per layer, before the rotary embedding.
     """
@@ -116,8 +118,14 @@ class ModelConfig:
             raise ValueError(f"{file}: mlp_bias=true is not supported (Llama-family MLPs have no bias)")
         rope_theta, rope_scaling = _rope(cfg)
         sliding_window = None
-        if arch == "MistralForCausalLM":
+        if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
             sliding_window = cfg.get("sliding_window")
+        if arch == "Phi3ForCausalLM":
+            partial = (cfg.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+            if partial != 1.0:
+                raise ValueError(f"{file}: partial_rotary_factor={partial} (rotary embeddings on "
+                                 "part of each head, as in Phi-4-mini) is not supported")
         elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
             raise ValueError(f"{file}: use_sliding_window=true is not supported; set it to false")
         return cls(

@@ -62,6 +62,8 @@ def load_state_dict(path: str | Path, dtype: str | torch.dtype = torch.float32) 
     """
     config = load_model_config(path)
     state = _weights.load_state_dict(path, dtype)
+    if config.architecture == "Phi3ForCausalLM":
+        _split_phi3_projections(state, config)
     for name in [n for n in state if n.endswith(_IGNORED_SUFFIXES)]:
         del state[name]
     if config.tie_word_embeddings:
@@ -72,3 +74,26 @@ def load_state_dict(path: str | Path, dtype: str | torch.dtype = torch.float32) 
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path} has no model.embed_tokens.weight: is it a Hugging Face Llama-family checkpoint?")
     return state
+
+
+def _split_phi3_projections(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Phi-3 stores each layer's q/k/v as one ``qkv_proj`` (q rows, then k, then v) and gate/up
+    as one ``gate_up_proj`` (gate rows, then up): give them Llama's names, in place. The model
+    fuses them again in its own layout (``LlamaForCausalLM._load_layer``)."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    for name in [n for n in state if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+        w = state.pop(name)
+        prefix = name.rsplit(".", 2)[0]
+        if name.endswith(".qkv_proj.weight"):
+            if w.shape[0] != q + 2 * kv:
+                raise ValueError(f"tensor {name!r} has {w.shape[0]} rows but config.json implies "
+                                 f"{q + 2 * kv} (q {q} + k {kv} + v {kv})")
+            parts = zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv]))
+        else:
+            if w.shape[0] != 2 * config.intermediate_size:
+                raise ValueError(f"tensor {name!r} has {w.shape[0]} rows but config.json implies "
+                                 f"{2 * config.intermediate_size} (gate + up)")
+            parts = zip(("gate_proj", "up_proj"), w.chunk(2))
+        for part, t in parts:
+            state[f"{prefix}.{part}.weight"] = t
