@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
 from server_args import MODEL
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -225,6 +227,44 @@ def test_echo_logprobs_of_a_one_token_prompt_start_with_that_token(client, tiny_
         assert r.choices[0].text == "h" and r.choices[0].logprobs.tokens == ["h"]
 
 
+def test_streamed_text_offsets_match_the_plain_ones(tiny_server):
+    """A stop string holds text back while it might be starting; the offsets must not lag."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 12, "temperature": 0.0,
+            "logprobs": 0, "stop": ["\n\n"], "ignore_eos": True}
+    plain = _post(tiny_server, "/v1/completions", body).json()["choices"][0]
+    events = _events(tiny_server, "/v1/completions", body)
+    offsets = sum((e["choices"][0]["logprobs"]["text_offset"] for e in events
+                   if e["choices"][0].get("logprobs")), [])
+    assert offsets == plain["logprobs"]["text_offset"]
+    assert "".join(e["choices"][0]["text"] for e in events) == plain["text"]
+
+
+# ------------------------------------------------------------------ continue_final_message
+def test_continue_final_message_continues_the_assistants_text(client, tiny_server, tokenizer):
+    saying = "An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": saying}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             continue_final_message=True)
+    assert rendered.endswith(saying)  # no end-of-turn after the assistant's text
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    assert _tokenize(tiny_server, messages=messages, **flags) == expected
+    for echo in (True, False):
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0.0,
+            extra_body={**flags, "echo": echo, "return_token_ids": True, "ignore_eos": True})
+        assert r.prompt_token_ids == expected
+        assert r.choices[0].message.content.startswith(saying) is echo
+    # Opening a new assistant message and continuing the last one exclude each other.
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _error(_post(tiny_server, path, {"model": MODEL, "messages": messages,
+                                               "max_tokens": 2,
+                                               "continue_final_message": True}))
+        assert err["param"] == "continue_final_message"
+        assert "add_generation_prompt=false" in err["message"]
+
+
 # ------------------------------------------------------------------ stops and samples
 def test_stop_token_ids_outside_the_vocabulary_are_400(client, tiny_server, tokenizer):
     vocab = len(tokenizer)
@@ -403,6 +443,33 @@ def test_custom_roles_extra_message_fields_and_text_parts(client):
     assert extra.choices[0].message.content is not None
 
 
+def test_optional_fields_sent_as_null_take_their_defaults(tiny_server):
+    """Clients that serialise every optional field send the unset ones as null."""
+    nulls = {"n": None, "stream": None, "temperature": None, "top_p": None, "stop": None,
+             "seed": None, "presence_penalty": None, "frequency_penalty": None,
+             "logit_bias": None, "user": None, "stream_options": None, "min_tokens": None,
+             "ignore_eos": None, "skip_special_tokens": None, "priority": None}
+    r = _post(tiny_server, "/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "max_tokens": None,
+        "logprobs": None, "top_logprobs": None, "tools": None, "tool_choice": None,
+        "response_format": None, "parallel_tool_calls": None, "echo": None,
+        "add_generation_prompt": None, **nulls})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["logprobs"] is None and r.json()["usage"]["completion_tokens"] <= 3
+    r = _post(tiny_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                "echo": None, "logprobs": None,
+                                                "best_of": None, "suffix": None, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["text"] is not None
+    r = _post(tiny_server, "/tokenize", {"model": MODEL, "prompt": "hi",
+                                         "add_special_tokens": None})
+    assert r.status_code == 200 and r.json()["tokens"]
+    # A required field is still required.
+    assert _error(_post(tiny_server, "/v1/completions",
+                        {"model": MODEL, "prompt": None}))["param"] == "prompt"
+
+
 @pytest.mark.parametrize("content", [b'"just a string"', b"[1, 2]", b"42"])
 def test_a_chat_body_that_is_not_an_object_is_400(tiny_server, content):
     r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", content=content,
@@ -468,6 +535,98 @@ def test_requests_in_parallel_keep_their_own_ids_and_answers(tiny_server):
     assert {k: v["id"] for k, v in results.items()} == {f"par-{i}": f"cmpl-par-{i}"
                                                          for i in range(4)}
     assert all(v["usage"]["completion_tokens"] == 4 for v in results.values())
+
+
+# ------------------------------------------------------------------ /metrics
+def _metric_values(server) -> dict[str, float]:
+    """Every vllm: sample summed over its labels (histogram buckets left out)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:") and not sample.name.endswith("_bucket"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _wait_for_metrics(server, done, what: str) -> dict[str, float]:
+    """Engine series follow the engine's snapshots: poll until ``done(values)`` holds."""
+    deadline = time.monotonic() + 120
+    while True:
+        values = _metric_values(server)
+        if done(values):
+            return values
+        assert time.monotonic() < deadline, f"{what}: {values}"
+        time.sleep(0.1)
+
+
+def _quiet_metrics(server) -> dict[str, float]:
+    """The counters once earlier tests' last snapshots have landed: two reads a second
+    apart that agree (the engine snapshots every ~0.5 s while busy and once when idle)."""
+    values = _metric_values(server)
+    for _ in range(60):
+        time.sleep(1.0)
+        again = _metric_values(server)
+        if again.get("vllm:request_success_total") == values.get("vllm:request_success_total") \
+                and again.get("vllm:iteration_tokens_total_count") == \
+                values.get("vllm:iteration_tokens_total_count"):
+            return again
+        values = again
+    raise AssertionError("the server's counters never settled")
+
+
+def test_metrics_count_each_request_and_its_tokens(tiny_server, client):
+    before = _quiet_metrics(tiny_server)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    num, max_tokens = 3, 10
+    for _ in range(num):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                  extra_body=NO_EOS)
+    expected = {
+        "vllm:request_success_total": num,
+        "vllm:prompt_tokens_total": num * len(prompt),
+        "vllm:generation_tokens_total": num * max_tokens,
+        "vllm:request_prompt_tokens_sum": num * len(prompt),
+        "vllm:request_prompt_tokens_count": num,
+        "vllm:request_generation_tokens_sum": num * max_tokens,
+        "vllm:request_generation_tokens_count": num,
+        "vllm:request_params_n_count": num,
+        "vllm:request_params_max_tokens_sum": num * max_tokens,
+        "vllm:time_to_first_token_seconds_count": num,
+        "vllm:e2e_request_latency_seconds_count": num,
+        "vllm:request_queue_time_seconds_count": num,
+        "vllm:request_prefill_time_seconds_count": num,
+        "vllm:request_decode_time_seconds_count": num,
+        "vllm:request_inference_time_seconds_count": num,
+        "vllm:inter_token_latency_seconds_count": num * (max_tokens - 1),
+        "vllm:iteration_tokens_total_count": num * max_tokens,
+    }
+
+    def delta(values: dict[str, float]) -> dict[str, float]:
+        return {name: values.get(name, 0) - before.get(name, 0) for name in expected}
+
+    after = _wait_for_metrics(tiny_server, lambda v: all(
+        d >= expected[name] for name, d in delta(v).items()), "requests not counted")
+    assert delta(after) == expected
+
+
+def test_requests_a_client_abandons_leave_no_running_request_or_kv(tiny_server):
+    url = f"{tiny_server.base_url}/v1/completions"
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c:
+        streams = [c.stream("POST", url, json=body) for _ in range(3)]
+        for s in streams:
+            r = s.__enter__()
+            assert r.status_code == 200
+            assert next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+        for s in streams:  # hang up mid-generation
+            s.__exit__(None, None, None)
+    _wait_for_metrics(
+        tiny_server, lambda v: v["vllm:num_requests_running"] == 0
+        and v["vllm:num_requests_waiting"] == 0 and v["vllm:kv_cache_usage_perc"] == 0,
+        "abandoned requests still hold the engine")
+    assert httpx.get(f"{tiny_server.base_url}/load", timeout=30).json() == {"server_load": 0}
 
 
 def test_server_still_answers_after_these_scenarios(client):

@@ -42,6 +42,7 @@ from llmtower.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    continue_final_kwargs,
 )
 from llmtower.server.serving_chat import OpenAIServingChat
 from llmtower.server.tool_parsers.tool_choice import ToolSettings
@@ -193,7 +194,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
             limits.check_prompt_chars(sum(len(m["content"]) for m in conversation),
                                       "messages")
-            _, ids = await llm.render_chat_async(conversation, body.add_generation_prompt)
+            _, ids = await llm.render_chat_async(
+                conversation, body.add_generation_prompt,
+                **continue_final_kwargs(body.continue_final_message, body.add_generation_prompt))
         else:
             limits.check_prompt_chars(len(body.prompt or ""))
             ids = await llm.encode_async(body.prompt or "",

@@ -8,6 +8,7 @@ live in ``SamplingParams`` so that the offline API and the server say the same t
 from __future__ import annotations
 
 import time
+import typing
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -21,8 +22,25 @@ from llmtower.server.unknown_fields import reject_unknown_fields
 from llmtower.structured_output.request_fields import structured_outputs_of
 
 
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is Any or annotation is type(None) or \
+        type(None) in typing.get_args(annotation)
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # Many clients send every optional field, unset ones as null ("n": null,
+        # "stream": null): as OpenAI and vLLM, such a null means "the default", not a 400.
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not fields[k].is_required()
+                            and not _accepts_none(fields[k].annotation))}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -264,6 +282,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Replaces the template for this request: only with --trust-request-chat-template.
     chat_template: str | None = None
@@ -290,7 +310,21 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False  # vLLM's: each token's string in the vocabulary too
+
+
+def continue_final_kwargs(continue_final_message: bool, add_generation_prompt: bool
+                          ) -> dict[str, Any]:
+    """The renderer's argument for ``continue_final_message`` (vLLM's rule: not with a
+    generation prompt, which would open a new message instead)."""
+    if not continue_final_message:
+        return {}
+    if add_generation_prompt:
+        raise ValueError("continue_final_message=true cannot be combined with "
+                         "add_generation_prompt=true (the default): send "
+                         "add_generation_prompt=false to continue the last message")
+    return {"continue_final_message": True}
 
 
 class DetokenizeRequest(OpenAIModel):

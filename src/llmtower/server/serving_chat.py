@@ -14,7 +14,7 @@ from llmtower.engine.request_output import RequestOutput, SampleLogprobs
 from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                      TopLogprob)
+                                      TopLogprob, continue_final_kwargs)
 from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan, ToolSettings,
                                                       constrain_to_tools, plan_tools,
@@ -84,6 +84,8 @@ class OpenAIServingChat(ServingBase):
         params = constrain_to_tools(params, plan)
         if plan.template_tools():
             template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
+        template_kwargs.update(continue_final_kwargs(req.continue_final_message,
+                                                     req.add_generation_prompt))
         conversation = req.conversation()
         self.limits.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
         prompt, ids = await self.llm.render_chat_async(conversation, req.add_generation_prompt,
