@@ -443,6 +443,38 @@ def test_custom_roles_extra_message_fields_and_text_parts(client):
     assert extra.choices[0].message.content is not None
 
 
+def test_errors_name_the_field_and_prompt_the_client_sent(tiny_server):
+    err = _error(_post(tiny_server, "/v1/completions",
+                       {"model": MODEL, "prompt": ["fine", "", "also fine"], "max_tokens": 2}))
+    assert err["param"] == "prompt" and err["message"].startswith("prompt[1]: ")
+    err = _error(_post(tiny_server, "/v1/completions",
+                       {"model": MODEL, "prompt": [[5, 6], [5] * 600], "max_tokens": 2}))
+    assert err["message"].startswith("prompt[1]: ") and "512" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = _error(_post(tiny_server, "/v1/chat/completions",
+                       {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 0}))
+    assert err["param"] == "max_completion_tokens"
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_server):
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 16,
+            "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = _post(tiny_server, "/v1/completions", body).json()["choices"][0]["text"]
+    texts: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        b = body if i == 0 else {**body, "seed": None, "prompt": f"other prompt {i}",
+                                 "max_tokens": 30}
+        texts[i] = _post(tiny_server, "/v1/completions", b).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert texts[0] == alone
+
+
 def test_optional_fields_sent_as_null_take_their_defaults(tiny_server):
     """Clients that serialise every optional field send the unset ones as null."""
     nulls = {"n": None, "stream": None, "temperature": None, "top_p": None, "stop": None,
@@ -627,6 +659,38 @@ def test_requests_a_client_abandons_leave_no_running_request_or_kv(tiny_server):
         and v["vllm:num_requests_waiting"] == 0 and v["vllm:kv_cache_usage_perc"] == 0,
         "abandoned requests still hold the engine")
     assert httpx.get(f"{tiny_server.base_url}/load", timeout=30).json() == {"server_load": 0}
+
+
+def test_a_client_that_hangs_up_on_a_plain_request_frees_it(tiny_server):
+    """vLLM's cancellation scenario without a client timeout that races the server: the
+    client sends a long non-streamed request, waits until the server counts it, and closes
+    the connection; the request is aborted and its KV freed."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(tiny_server.base_url)
+    payload = json.dumps({"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 480,
+                          "min_tokens": 480, "n": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    socks = []
+    for _ in range(3):
+        sock = socket.create_connection((url.hostname, url.port), timeout=60)
+        sock.sendall(head + payload)
+        socks.append(sock)
+    load_url = f"{tiny_server.base_url}/load"
+    deadline = time.monotonic() + 120
+    while httpx.get(load_url, timeout=30).json()["server_load"] < 3:
+        assert time.monotonic() < deadline, "the server never counted the requests"
+        time.sleep(0.05)
+    for sock in socks:
+        sock.close()
+    _wait_for_metrics(
+        tiny_server, lambda v: v["vllm:num_requests_running"] == 0
+        and v["vllm:num_requests_waiting"] == 0 and v["vllm:kv_cache_usage_perc"] == 0
+        and httpx.get(load_url, timeout=30).json()["server_load"] == 0,
+        "requests of clients that hung up still run")
 
 
 def test_server_still_answers_after_these_scenarios(client):

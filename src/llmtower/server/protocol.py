@@ -293,6 +293,9 @@ class ChatCompletionRequest(SamplingRequestFields):
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_completion_tokens == 0:  # named as sent, not as max_tokens
+            raise ValueError("max_completion_tokens=0 is out of range: ask for at least 1 "
+                             "token, or leave it out")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -12,6 +12,7 @@ from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.output_processor import merge_metrics
 from llmtower.engine.request_output import PromptLogprobs, RequestOutput, SampleLogprobs
 from llmtower.server.access_log import note_prompt, note_tokens
+from llmtower.server.errors import APIError, to_api_error
 from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                       CompletionRequest, CompletionResponse)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
@@ -72,8 +73,16 @@ class OpenAIServingCompletion(ServingBase):
             params = dataclasses.replace(
                 params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
         prompts = []
-        for text, ids in await self._prompts(req.prompt):
-            kept = self.llm.check_prompt(ids, params)  # truncate_prompt_tokens applies here
+        given = await self._prompts(req.prompt)
+        for i, (text, ids) in enumerate(given):
+            try:
+                kept = self.llm.check_prompt(ids, params)  # truncate_prompt_tokens applies
+            except ValueError as e:
+                if len(given) == 1:
+                    raise
+                err = to_api_error(e)  # which prompt of the list: prompt[i]
+                raise APIError(f"prompt[{i}]: {err.message}", err.status_code, "prompt",
+                               err.code) from e
             prompts.append((text if len(kept) == len(ids) else None, kept))
         note_prompt(prompts[0][0])
         request_id, engine_id = self.request_ids("cmpl", req, raw)
