@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
-from server_args import MODEL
+from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is the capital of France?"}]
@@ -392,6 +392,19 @@ def test_return_token_ids_of_chat(client, tiny_server, tokenizer):
     assert streamed == r.choices[0].token_ids
 
 
+def test_chat_usage_counts_prompt_tokens_served_from_the_prefix_cache(client):
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 6},
+                {"role": "user", "content": "What is the capital of Germany?"}]
+    kw = dict(model=MODEL, messages=messages, max_completion_tokens=3, temperature=0.0)
+    client.chat.completions.create(**kw)  # warms the cache
+    second = client.chat.completions.create(**kw)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+
+
 # ------------------------------------------------------------------ request ids
 def test_x_request_id_and_request_id_name_the_response(tiny_server):
     r = _post(tiny_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2},
@@ -408,6 +421,11 @@ def test_x_request_id_and_request_id_name_the_response(tiny_server):
                        {"model": MODEL, "prompt": "hi", "max_tokens": 2},
                        headers={"X-Request-Id": "has space"}))
     assert err["param"] == "request_id"
+    for bad in ("x" * 257, "caf\u00e9"):  # too long; not ASCII (sent as Latin-1 bytes)
+        r = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers=[("X-Request-Id", bad.encode("latin-1"))])
+        assert _error(r)["param"] == "request_id"
 
 
 def test_the_same_request_id_twice_at_once_serves_both(tiny_server):
@@ -536,6 +554,57 @@ def test_tokenize_fields_and_token_strs(tiny_server, tokenizer):
     plain = tokenizer.encode(prompt, add_special_tokens=False)
     assert _post(tiny_server, "/detokenize", {"model": MODEL, "tokens": plain}
                  ).json() == {"prompt": prompt}
+
+
+# A template that shows what it was given: tools, a template variable, the messages.
+TOOLS_TEMPLATE = ("{% if tools %}[tools:{% for t in tools %}{{ t.function.name }};{% endfor %}]"
+                  "{% endif %}{% if greeting is defined %}({{ greeting }}){% endif %}"
+                  "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                  "{% for c in m.tool_calls or [] %}call:{{ c.function.name }}{% endfor %}"
+                  "{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tools_template_server(tmp_path_factory, tiny_llama_dir):
+    d = tmp_path_factory.mktemp("tools_template")
+    (d / "template.jinja").write_text(TOOLS_TEMPLATE)
+    server = start_server(tmp_path_factory, "tools_template_server", [
+        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
+        "--chat-template", str(d / "template.jinja")])
+    yield server
+    server.stop()
+
+
+def test_tokenize_renders_tools_and_template_variables_as_chat_does(tools_template_server,
+                                                                    tokenizer):
+    server = tools_template_server
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    r = _post(server, "/tokenize", {"model": MODEL, "messages": messages, "tools": [WEATHER],
+                                    "chat_template_kwargs": {"greeting": "hello"}}).json()
+    expected = "[tools:get_weather;](hello)<user>weather in Paris?<assistant>"
+    assert r["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
+    chat = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": messages, "tools": [WEATHER], "tool_choice": "required",
+        "chat_template_kwargs": {"greeting": "hello"}, "max_tokens": 30}).json()
+    assert chat["usage"]["prompt_tokens"] == r["count"]
+    # An assistant's tool call in the history counts the same on both routes.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tok = _post(server, "/tokenize", {"model": MODEL, "messages": history}).json()
+    chat = _post(server, "/v1/chat/completions",
+                 {"model": MODEL, "messages": history, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == tok["count"]
+    assert "call:get_weather" in tokenizer.decode(tok["tokens"])
+    # The renderer's own switches stay out of chat_template_kwargs here too.
+    err = _error(_post(server, "/tokenize", {"model": MODEL, "messages": messages,
+                                             "chat_template_kwargs": {"tokenize": True}}))
+    assert err["param"] == "chat_template_kwargs"
 
 
 def test_models_list_has_vllms_card_fields(tiny_server):

@@ -45,7 +45,7 @@ from llmtower.server.protocol import (
     continue_final_kwargs,
 )
 from llmtower.server.serving_chat import OpenAIServingChat
-from llmtower.server.tool_parsers.tool_choice import ToolSettings
+from llmtower.server.tool_parsers.tool_choice import ToolSettings, plan_tools
 from llmtower.server.serving_completions import OpenAIServingCompletion
 from llmtower.server.serving_probes import build_probe_router
 from llmtower.server.serving_responses import build_responses_router
@@ -191,12 +191,18 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of prompt or messages", 400)
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            conversation = [m.for_template() for m in body.messages]  # as chat renders them
             limits.check_prompt_chars(sum(len(m["content"]) for m in conversation),
                                       "messages")
-            _, ids = await llm.render_chat_async(
-                conversation, body.add_generation_prompt,
-                **continue_final_kwargs(body.continue_final_message, body.add_generation_prompt))
+            # The prompt /v1/chat/completions would render: tools and template variables too.
+            template_kwargs = limits.check_template_kwargs(body.chat_template_kwargs)
+            if body.tools:
+                template_kwargs["tools"] = plan_tools(body.tools, "required", None,
+                                                      ToolSettings()).template_tools()
+            template_kwargs.update(continue_final_kwargs(body.continue_final_message,
+                                                         body.add_generation_prompt))
+            _, ids = await llm.render_chat_async(conversation, body.add_generation_prompt,
+                                                 **template_kwargs)
         else:
             limits.check_prompt_chars(len(body.prompt or ""))
             ids = await llm.encode_async(body.prompt or "",

@@ -314,6 +314,9 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # As for chat (vLLM's /tokenize takes them): what the template renders besides messages.
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False  # vLLM's: each token's string in the vocabulary too
 
 
