@@ -281,6 +281,18 @@ def test_stop_token_ids_outside_the_vocabulary_are_400(client, tiny_server, toke
     assert r.choices[0].message.content is not None
 
 
+def test_logit_bias_errors_name_every_bad_key(tiny_server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    err = _error(_post(tiny_server, "/v1/chat/completions",
+                       {**body, "logit_bias": {"bad1": 50.0, "bad2": 20.0, "5": 1.0}}))
+    assert err["param"] == "logit_bias"
+    assert "'bad1'" in err["message"] and "'bad2'" in err["message"]
+    assert "'5'" not in err["message"]
+    err = _error(_post(tiny_server, "/v1/chat/completions",
+                       {**body, "logit_bias": {"1": "not_a_number"}}))
+    assert err["param"] == "logit_bias"
+
+
 def test_stop_token_id_and_min_tokens(client):
     base = client.completions.create(
         max_tokens=8, model=MODEL, prompt=[5, 6, 7], temperature=0.0,

@@ -22,6 +22,14 @@ from llmtower.server.unknown_fields import reject_unknown_fields
 from llmtower.structured_output.request_fields import structured_outputs_of
 
 
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _accepts_none(annotation: Any) -> bool:
     return annotation is Any or annotation is type(None) or \
         type(None) in typing.get_args(annotation)
@@ -150,11 +158,11 @@ class SamplingRequestFields(OpenAIModel):
             return value if value is not None else d.get(name, fallback)
 
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            logit_bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise ValueError("logit_bias=... is invalid: its keys must be token ids, e.g. "
-                             "{\"50256\": -100}") from None
+        bad_keys = [t for t in self.logit_bias or {} if not _is_int(t)]
+        if bad_keys:
+            raise ValueError(f"logit_bias=... is invalid: its keys must be token ids, e.g. "
+                             f"{{\"50256\": -100}}; not {', '.join(map(repr, bad_keys[:10]))}")
+        logit_bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
         return SamplingParams(
             n=self.n,
             temperature=pick(self.temperature, "temperature", 1.0),
