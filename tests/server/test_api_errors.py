@@ -137,10 +137,12 @@ def _post_limited(server, body: dict) -> httpx.Response:
 
 @contextlib.contextmanager
 def _blocked_queue(server):
-    """--max-num-seqs 1: four samples of 480 tokens run one after another for thousands of
-    steps; one runs, three wait in the queue holding some of --max-num-queued-tokens=64."""
+    """--max-num-seqs 1: sixteen samples of 480 tokens run one after another for 7,680 steps
+    (seconds even on a quiet machine: four samples took ~1 s, too close to a 0.5 s
+    --request-timeout); one runs, fifteen wait in the queue holding some of
+    --max-num-queued-tokens=64."""
     client = _limited_client(server)
-    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=4,
+    blocker = client.completions.create(model=MODEL, prompt="block", max_tokens=480, n=16,
                                         stream=True, extra_body={"ignore_eos": True})
     try:
         next(iter(blocker))  # the blocker is running
