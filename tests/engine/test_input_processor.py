@@ -90,3 +90,11 @@ def test_offline_llm_applies_truncation_and_clamps_max_tokens(tokenizer):
         use_tqdm=False)
     assert len(out.prompt_token_ids) == 20
     assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_offline_too(tokenizer):
+    """The server refuses them with a 400; the offline LLM takes the same check here."""
+    ip = InputProcessor(tokenizer, max_model_len=32, vocab_size=100)
+    with pytest.raises(ValueError, match=r"stop_token_ids=.*\[100, 250\].*vocabulary of 100"):
+        ip.process_prompt([5], SamplingParams(stop_token_ids=[3, 100, 250]))
+    assert ip.process_prompt([5], SamplingParams(stop_token_ids=[99])) == [5]

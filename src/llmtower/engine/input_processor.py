@@ -157,10 +157,13 @@ class InputProcessor:
 
     def check_params(self, sp: SamplingParams) -> None:
         """What only the model can judge in a request's sampling settings."""
-        bad = [t for t in (sp.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias=... names token id(s) {bad[:5]} outside the "
-                             f"vocabulary (0..{self.vocab_size - 1})")
+        n = self.vocab_size
+        for name, ids in (("logit_bias", sp.logit_bias or {}),
+                          ("stop_token_ids", sp.stop_token_ids or [])):
+            bad = [t for t in ids if t >= n]
+            if bad:  # a stop token the model cannot produce is a mistake, as vLLM judges
+                raise ValueError(f"{name}=... names token id(s) {bad[:5]} outside the "
+                                 f"vocabulary of {n} tokens (0..{n - 1})")
 
     def process_prompt(self, prompt_token_ids: list[int], sp: SamplingParams,
                        index: int | None = None) -> list[int]:
