@@ -34,6 +34,7 @@ from llmtower.server.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     HostAllowListMiddleware,
+    RequestIdHeaderMiddleware,
 )
 from llmtower.server.protocol import (
     ChatCompletionRequest,
@@ -114,6 +115,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # Innermost: counts what is in flight for the graceful shutdown, refuses once draining.
     app.state.drain = DrainState()
     app.add_middleware(DrainMiddleware, state=app.state.drain)
+    app.add_middleware(RequestIdHeaderMiddleware)
     # Added last = outermost: the size check runs before the key check reads anything.
     if settings.api_key:
         public = (PUBLIC_PATHS - {"/metrics"} if settings.metrics_require_auth
@@ -144,15 +146,22 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(body, raw)
 
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
+    def model_card(name: str) -> ModelCard:
         ready = llm.ready
         # The model's absolute path tells a caller about the host: only if asked.
-        return ModelList(data=[ModelCard(id=name,
-                                         root=(ready.model_path if ready and
-                                               settings.expose_model_path else name),
-                                         max_model_len=llm.max_model_len)
-                               for name in llm.served_model_names])
+        return ModelCard(id=name, root=(ready.model_path if ready and settings.expose_model_path
+                                        else name),
+                         max_model_len=llm.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in llm.served_model_names])
+
+    # OpenAI's GET /v1/models/{model} (the SDK's models.retrieve); ids may hold slashes.
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        completions.check_model(model)
+        return model_card(model)
 
     @app.get("/health")
     async def health() -> Response:

@@ -166,3 +166,27 @@ class BodySizeLimitMiddleware:
                           f"the server's limit of {self.max_body_bytes} bytes "
                           "(--max-request-body-bytes)", "request_too_large",
                           [] if keep_alive else [(b"connection", b"close")])
+
+
+class RequestIdHeaderMiddleware:
+    """Owns the ``X-Request-Id`` response header: the id a generation endpoint gave the
+    request (``cmpl-...``, ``chatcmpl-...``, with the client's own id inside when it sent
+    one), as the endpoint noted it in ``request.state.request_id``. The openai SDK shows it
+    as ``request_id`` / ``_request_id``; the access log names requests by the same id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                request_id = (scope.get("state") or {}).get("request_id")
+                if request_id:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)

@@ -1,15 +1,18 @@
 """Request and response bodies of POST /v1/responses (OpenAI's Responses API), the subset a
-text model serves: text input (a string or messages), instructions, sampling settings, and
-one assistant message of output text. The request becomes a chat completion request."""
+text model serves: text input (a string or messages), instructions, sampling settings, the
+output's format (``text.format``: plain text, a JSON schema, any JSON object), and one
+assistant message of output text. The request becomes a chat completion request. Fields of
+the Responses API this server does not serve are refused (400 naming them), not ignored."""
 from __future__ import annotations
 
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from llmtower.server.protocol import MAX_MESSAGES, ChatCompletionRequest, Count, Int64, OpenAIModel
+from llmtower.server.unknown_fields import reject_unknown_fields
 
 
 class InputContentPart(OpenAIModel):
@@ -36,8 +39,55 @@ class InputItem(OpenAIModel):
         return "".join(parts)
 
 
+class TextFormat(OpenAIModel):
+    """``text.format``: the Responses API's response_format (the schema's fields inline)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return reject_unknown_fields(cls, data)
+
+    type: Literal["text", "json_schema", "json_object"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat request's ``response_format`` for this format (None: plain text)."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            if self.schema_ is None:
+                raise ValueError("text.format of type json_schema needs its schema: send "
+                                 "text={\"format\": {\"type\": \"json_schema\", \"name\": ..., "
+                                 "\"schema\": {...}}}")
+            return {"type": "json_schema", "json_schema": {
+                "name": self.name, "description": self.description, "schema": self.schema_,
+                "strict": self.strict}}
+        return None
+
+
+class TextConfig(OpenAIModel):
+    """``text``: how the output text is formatted."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return reject_unknown_fields(cls, data)
+
+    format: TextFormat = Field(default_factory=lambda: TextFormat(type="text", schema=None))
+
+
 class ResponsesRequest(OpenAIModel):
     """POST /v1/responses."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return reject_unknown_fields(cls, data)
 
     model: str | None = None
     input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
@@ -52,16 +102,24 @@ class ResponsesRequest(OpenAIModel):
     stream: bool = False
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
+    # Without tools, "none" and "auto" change nothing (clients send them by default).
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     store: bool | None = None  # accepted; nothing is stored
     metadata: dict[str, str] | None = None
     user: str | None = None
+    text: TextConfig | None = None
 
     def to_chat_request(self, stream: bool) -> ChatCompletionRequest:
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id is not supported (this server stores no "
                              "responses): send the whole conversation in input")
         if self.tools:
-            raise ValueError("tools are not supported on /v1/responses; remove them")
+            raise ValueError("tools are not supported on /v1/responses; remove them, or call "
+                             "tools through /v1/chat/completions")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice={self.tool_choice!r} needs tools, which "
+                             "/v1/responses does not support; use /v1/chat/completions")
         messages: list[dict[str, str]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -77,6 +135,7 @@ class ResponsesRequest(OpenAIModel):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "seed": self.seed, "stream": stream, "user": self.user,
+            "response_format": self.text.format.response_format() if self.text else None,
             "stream_options": {"include_usage": True} if stream else None})
 
 

@@ -59,14 +59,17 @@ class ServingBase:
         given = (raw.headers.get("x-request-id") if raw is not None else None) or \
             getattr(req, "request_id", None)
         if not given:
-            rid = new_request_id(prefix)
-            return rid, rid
-        if len(given) > MAX_REQUEST_ID_CHARS or not all("!" <= ch <= "~" for ch in given):
+            public = engine_id = new_request_id(prefix)
+        elif len(given) > MAX_REQUEST_ID_CHARS or not all("!" <= ch <= "~" for ch in given):
             raise APIError(f"the request id (X-Request-Id header or request_id field) must be "
                            f"1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without "
                            "spaces", 400, param="request_id")
-        public = f"{prefix}-{given}"
-        return public, f"{public}-{uuid.uuid4().hex[:8]}"
+        else:
+            public = f"{prefix}-{given}"
+            engine_id = f"{public}-{uuid.uuid4().hex[:8]}"
+        if raw is not None and hasattr(raw, "state"):  # the X-Request-Id response header
+            raw.state.request_id = public
+        return public, engine_id
 
     def check_stop_token_ids(self, params: Any) -> None:
         """A stop token the model cannot produce is a mistake in the request (vLLM: 400)."""

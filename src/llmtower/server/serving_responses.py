@@ -46,10 +46,13 @@ class OpenAIServingResponses:
         self.chat = chat
 
     def _shell(self, req: ResponsesRequest) -> ResponsesResponse:
-        return ResponsesResponse(model=self.chat.model_name, instructions=req.instructions,
-                                 max_output_tokens=req.max_output_tokens,
-                                 temperature=req.temperature, top_p=req.top_p,
-                                 metadata=req.metadata)
+        out = ResponsesResponse(model=self.chat.model_name, instructions=req.instructions,
+                                max_output_tokens=req.max_output_tokens,
+                                temperature=req.temperature, top_p=req.top_p,
+                                metadata=req.metadata)
+        if req.text is not None:  # the format the output follows, as the request set it
+            out.text = req.text.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return out
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
         answer = await self.chat.create_chat_completion(req.to_chat_request(req.stream), raw)
