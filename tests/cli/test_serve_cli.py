@@ -48,7 +48,15 @@ def test_help_says_each_default_once(command):
 
 @pytest.mark.parametrize("argv,field,value", [
     (["--scheduling-policy", "priority"], "policy", "priority"),
-    (["--kv-cache-memory-bytes", "1000000"], "kv_cache_memory", "1000000"),
+    (["--kv-cache-memory-bytes", "1000000"], "kv_cache_memory_bytes", 1000000),
+    (["--kv-cache-memory-bytes", "2G"], "kv_cache_memory_bytes", 2 * 2**30),
+    (["--kv-cache-memory-bytes", "2g"], "kv_cache_memory_bytes", 2 * 10**9),
+    (["-tp", "1"], "tensor_parallel_size", 1),
+    (["-pp", "1"], "pipeline_parallel_size", 1),
+    (["-q", "int8"], "quantization", "int8"),
+    (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
+    (["--max-logprobs", "5"], "max_logprobs", 5),
     (["--num-gpu-blocks-override", "64"], "num_gpu_blocks", 64),
     (["-dp", "2"], "data_parallel_size", 2),
     (["--max-model-len", "4k"], "max_model_len", 4000),

@@ -4,8 +4,13 @@ as aliases where ours differ), and ``--config FILE`` reads any of them from YAML
 from __future__ import annotations
 
 import argparse
+import json
+from typing import TYPE_CHECKING
 
 from llmtower.engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from llmtower.server.frontend_options import FrontendOptions
 
 # The model of `llmtower serve MODEL` (vLLM's positional form), kept apart from --model so
 # that giving both can be refused instead of one silently winning.
@@ -44,6 +49,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                       "of the tokenizer's; needed to chat with a model that has none")
     _add_guard_args(p)
     _add_tool_args(p)
+    _add_frontend_args(p)
     logs = p.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"],
@@ -51,9 +57,19 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     logs.add_argument("--uvicorn-log-level", default=None,
                       choices=["debug", "info", "warning", "error", "critical", "trace"],
                       help="uvicorn's own log level (default: --log-level)")
-    logs.add_argument("--enable-log-requests", action="store_true",
+    logs.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                      default=False,
                       help="log one line per request: method, route, status, latency and tokens "
-                      "(never the prompt text, see --max-log-len)")
+                      "(never the prompt text, see --max-log-len) (default: off)")
+    logs.add_argument("--disable-log-requests", action=argparse.BooleanOptionalAction,
+                      default=None,
+                      help="vLLM's older spelling of --no-enable-log-requests (request "
+                      "logging is off unless --enable-log-requests)")
+    logs.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                      default=None,
+                      help="vLLM's switch for uvicorn's own access log, which this server never "
+                      "writes: accepted; --no-disable-uvicorn-access-log is refused "
+                      "(--enable-log-requests writes one line per request instead)")
     logs.add_argument("--max-log-len", type=int, default=0, metavar="CHARS",
                       help="with --enable-log-requests, also log up to this many characters of "
                       "each prompt (default: 0, no prompt text)")
@@ -107,11 +123,12 @@ def run(args: argparse.Namespace) -> int:
                               log_level=args.log_level,
                               uvicorn_log_level=args.uvicorn_log_level or args.log_level,
                               chat_template=resolve_chat_template(args.chat_template),
-                              enable_log_requests=args.enable_log_requests,
+                              enable_log_requests=log_requests(args),
                               max_log_len=args.max_log_len,
                               log_stats=not args.disable_log_stats,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               tool_call_parser=args.tool_call_parser,
+                              frontend=frontend_options(args),
                               **_guard_settings(args))
     return run_server(EngineArgs.from_cli_args(args), settings)
 
@@ -154,3 +171,100 @@ def _guard_settings(args: argparse.Namespace) -> dict:
             "trust_request_chat_template": args.trust_request_chat_template,
             "metrics_require_auth": args.metrics_require_auth,
             "allowed_hosts": args.allowed_hosts, "expose_model_path": args.expose_model_path}
+
+
+def log_requests(args: argparse.Namespace) -> bool:
+    """--enable-log-requests, with vLLM's older --disable-log-requests spelling."""
+    if args.disable_log_requests is None:
+        return bool(args.enable_log_requests)
+    if args.disable_log_requests and args.enable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each "
+                         "other: give one")
+    return not args.disable_log_requests
+
+
+def _json_or_words(values: list | None) -> list[str] | None:
+    """vLLM's --allowed-origins '["https://a"]' (a JSON list) or plain words (a b)."""
+    if values is None:
+        return None
+    out: list[str] = []
+    for value in values:
+        text = value.strip() if isinstance(value, str) else value
+        if isinstance(text, str) and text.startswith("["):
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"cannot read {value!r} as a JSON list: {e}") from None
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise ValueError(f"{value!r} must be a JSON list of strings")
+            out.extend(parsed)
+        else:
+            out.append(str(text))
+    return out
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's frontend flags (server/frontend_options.py)."""
+    g = p.add_argument_group("vLLM frontend flags")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="answer browsers' CORS requests from these origins: words "
+                   "(https://app.example.com) or vLLM's JSON list ('[\"*\"]'); unlike vLLM, "
+                   "no CORS headers are sent without it (default: none)")
+    g.add_argument("--allowed-methods", nargs="+", default=None, metavar="METHOD",
+                   help="with --allowed-origins: the methods allowed (default: all)")
+    g.add_argument("--allowed-headers", nargs="+", default=None, metavar="HEADER",
+                   help="with --allowed-origins: the request headers allowed (default: all)")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --allowed-origins: allow credentialed CORS requests (default: off)")
+    g.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="every response carries X-Request-Id (the generation endpoints always "
+                   "do): the request's own X-Request-Id, else a random id (default: off)")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="every streamed completion and chat ends with its usage chunk, as if "
+                   "it sent stream_options.include_usage=true (default: off)")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="vLLM's switch for usage.prompt_tokens_details (cached_tokens), which "
+                   "this server always sends: accepted; the --no- form is refused")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of the chat reply; only 'assistant' here (default: assistant)")
+    g.add_argument("--root-path", default=None, metavar="PATH",
+                   help="the path prefix a path-routing proxy serves this server under (e.g. "
+                   "/llm); /docs and /openapi.json then name it (default: none)")
+    g.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction,
+                   default=False, help="no /docs page and no /openapi.json (default: off)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this private key (needs --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (needs --ssl-keyfile)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates that client certificates are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked, 1 optional, 2 required (Python's "
+                   "ssl.CERT_*) (default: 0)")
+
+
+def frontend_options(args: argparse.Namespace) -> FrontendOptions:
+    from llmtower.server.frontend_options import FrontendOptions
+
+    if args.disable_uvicorn_access_log is False:
+        raise ValueError("--no-disable-uvicorn-access-log: this server has no uvicorn access "
+                         "log; use --enable-log-requests for one line per request")
+    if args.enable_prompt_tokens_details is False:
+        raise ValueError("--no-enable-prompt-tokens-details: this server always sends "
+                         "usage.prompt_tokens_details (its cached_tokens); leave the flag out")
+    if args.response_role != "assistant":
+        raise ValueError(f"--response-role {args.response_role!r} is not supported: chat "
+                         "replies always have the role 'assistant' here; leave it out")
+    return FrontendOptions(
+        allowed_origins=_json_or_words(args.allowed_origins),
+        allowed_methods=_json_or_words(args.allowed_methods),
+        allowed_headers=_json_or_words(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_force_include_usage=args.enable_force_include_usage,
+        root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

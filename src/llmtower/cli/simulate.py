@@ -14,12 +14,13 @@ import sys
 from dataclasses import fields
 
 from llmtower.engine.args import EngineArgs
+from llmtower.engine.vllm_compat import VLLM_ONLY_FIELDS
 
 # Engine settings that mean nothing to a simulation (the model is a profile, threads are not
 # simulated, data parallelism is --num-replicas, KV memory is sized per device below).
 _SKIP_ENGINE_ARGS = ("model", "tokenizer", "served_model_name", "dtype", "num_threads",
                      "cpu_bind", "attention_backend",
-                     "data_parallel_size", "kv_cache_memory")
+                     "data_parallel_size", "kv_cache_memory", *VLLM_ONLY_FIELDS)
 # Flags that define the workload or the outputs: --compare must not vary them, so every
 # variant replays the same trace.
 _NOT_COMPARABLE = {"trace", "rate", "num_requests", "burstiness", "input_len", "output_len",

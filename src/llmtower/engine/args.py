@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
+from llmtower.engine.vllm_compat import check_vllm_settings, log_ignored_vllm_settings
 from llmtower.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -110,6 +111,16 @@ def parse_token_count(text: str | int) -> int:
     return int(value)
 
 
+def parse_byte_count(text: str | int) -> int:
+    """--kv-cache-memory-bytes as vLLM reads it: '2147483648', '2G' (2 GiB), '2g' (2*10^9)."""
+    try:
+        return parse_token_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a byte count: use e.g. 2147483648, 2G (2 GiB) or 2g "
+            "(2*10^9), or --kv-cache-memory 2GiB") from None
+
+
 def _f(default, help: str, **kw):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
@@ -132,7 +143,7 @@ class EngineArgs:
     quantization: str = _f("none", "keep the linear layers' weights quantized: 'int8' (per "
                            "channel) or 'int4' (groups of 32) quantized on load, 'gguf' (a .gguf "
                            "model's own Q4_0/Q4_1/Q8_0 blocks); see docs/performance.md",
-                           choices=["none", "int8", "int4", "gguf"])
+                           choices=["none", "int8", "int4", "gguf"], aliases=["-q"])
     num_threads: int = _f(0, "torch CPU threads of each engine (0: the CPUs this process may "
                                  "use, shared out between data-parallel engines, and fewer "
                                  "while other processes compete for them)")
@@ -153,8 +164,11 @@ class EngineArgs:
                              "docs/memory.md",
                              choices=["auto", "bfloat16", "int8"])
     kv_cache_memory: str = _f("1GiB", "memory for the KV cache, e.g. 2GiB or a byte count "
-                              "(ignored if --num-gpu-blocks is set)",
-                              aliases=["--kv-cache-memory-bytes"])
+                              "(ignored if --num-gpu-blocks is set)")
+    kv_cache_memory_bytes: int | None = _f(
+        None, "vLLM's spelling of --kv-cache-memory, read as vLLM reads it: a byte count, or "
+        "with a suffix 1k = 1000, 1K = 1024, 2g = 2*10^9, 2G = 2 GiB; wins over "
+        "--kv-cache-memory when given", type=parse_byte_count)
     num_gpu_blocks: int = _f(0, "explicit number of KV blocks (0: size from --kv-cache-memory)",
                              aliases=["--num-gpu-blocks-override"])
     swap_space: str = _f("1GiB", "CPU swap space for preemption_mode=swap: a bare number is GiB "
@@ -246,8 +260,49 @@ class EngineArgs:
     structured_outputs_jump_forward: bool = _f(
         False, "jump-forward decoding: append the tokens a grammar forces without sampling "
         "them one by one (see docs/structured_outputs.md)")
+    # vLLM's settings, with vLLM's meaning where this engine has it; the others are judged in
+    # engine/vllm_compat.py (a warning where they change nothing, else an error saying what to
+    # use instead).
+    max_logprobs: int = _f(20, "most logprobs (logprobs, top_logprobs, prompt_logprobs) one "
+                           "request may ask for per token; more is HTTP 400 (0..20)")
+    tensor_parallel_size: int = _f(1, "vLLM's tensor parallelism: only 1 here (one process "
+                                   "runs the model; for more copies use --data-parallel-size)",
+                                   aliases=["-tp"])
+    pipeline_parallel_size: int = _f(1, "vLLM's pipeline parallelism: only 1 here (use "
+                                     "--data-parallel-size)", aliases=["-pp"])
+    gpu_memory_utilization: float | None = _f(
+        None, "vLLM's GPU memory fraction: refused, there is no GPU; size the KV cache with "
+        "--kv-cache-memory", type=float)
+    enforce_eager: bool = _f(False, "accepted for vLLM command lines: this engine always runs "
+                             "eagerly (no CUDA graphs), so it changes nothing (a warning says so)")
+    trust_remote_code: bool = _f(False, "accepted for vLLM command lines: llmtower never runs "
+                                 "code from a model directory, so it changes nothing (a warning "
+                                 "says so)")
+    load_format: str = _f("auto", "weights format: 'auto' (what the model is), 'safetensors' "
+                          "(a Hugging Face directory) or 'gguf' (a .gguf file); vLLM's other "
+                          "formats are refused")
+    tokenizer_mode: str = _f("auto", "'auto' (or vLLM's 'hf'): the model's own Hugging Face "
+                             "tokenizer; vLLM's slow, mistral and custom modes are refused")
+    revision: str | None = _f(None, "vLLM's hub revision: refused, models load from local "
+                              "disk only (download that revision and pass its directory)")
+    code_revision: str | None = _f(None, "vLLM's hub code revision: refused (local disk only)")
+    tokenizer_revision: str | None = _f(None, "vLLM's hub tokenizer revision: refused (local "
+                                        "disk only)")
+    download_dir: str | None = _f(None, "vLLM's download directory: refused, llmtower never "
+                                  "downloads (pass the model's local directory)")
 
     def __post_init__(self) -> None:
+        check_vllm_settings(self)
+        if self.kv_cache_memory_bytes is not None:  # vLLM's spelling wins, as in vLLM
+            if isinstance(self.kv_cache_memory_bytes, str):  # LLM(kv_cache_memory_bytes="2G")
+                try:
+                    self.kv_cache_memory_bytes = parse_byte_count(self.kv_cache_memory_bytes)
+                except argparse.ArgumentTypeError as e:
+                    raise ValueError(str(e)) from None
+            if not (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0):
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} is "
+                                 "invalid: give a byte count > 0, e.g. 2G (2 GiB)")
+            self.kv_cache_memory = str(self.kv_cache_memory_bytes)
         parse_bytes(self.kv_cache_memory)
         SpeculativeConfig.from_json(self.speculative_config)  # a bad --speculative-config fails here
         if self.async_scheduling and self.speculative_config is not None:
@@ -379,4 +434,6 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        args = cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        log_ignored_vllm_settings(args)  # once, at start: flags that change nothing here
+        return args

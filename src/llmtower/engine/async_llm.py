@@ -127,7 +127,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             tokenizer, max_model_len=self.ready.max_model_len, vocab_size=self.ready.vocab_size,
             eos_token_ids=self.ready.eos_token_ids, chat_template=self.chat_template,
-            default_sampling=defaults, max_model_len_reason=self.ready.max_model_len_reason)
+            default_sampling=defaults, max_model_len_reason=self.ready.max_model_len_reason,
+            max_logprobs=self.engine_args.max_logprobs)
         self._handler = asyncio.create_task(self._output_handler())
         args = self.engine_args
         self.metrics.record_cache_config({

@@ -21,6 +21,7 @@ from typing import Any
 from llmtower.core.errors import AdmissionError
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.template_limits import TemplateTimeoutError, call_with_render_deadline
+from llmtower.engine.vllm_compat import check_max_logprobs
 
 Conversation = list[dict[str, Any]]
 # A prompt after tokenization: its text (None if given as token ids) and its token ids.
@@ -83,8 +84,9 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, *, max_model_len: int, vocab_size: int = 0,
                  eos_token_ids: Sequence[int] = (), chat_template: str | None = None,
                  default_sampling: dict[str, Any] | None = None,
-                 max_model_len_reason: str = "") -> None:
+                 max_model_len_reason: str = "", max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs  # --max-logprobs
         self.max_model_len = max_model_len
         self.max_model_len_reason = max_model_len_reason  # e.g. the model's sliding window
         # Prompt ids index the model's embedding: its vocabulary bounds them (the tokenizer's
@@ -157,6 +159,7 @@ class InputProcessor:
 
     def check_params(self, sp: SamplingParams) -> None:
         """What only the model can judge in a request's sampling settings."""
+        check_max_logprobs(sp, self.max_logprobs)
         n = self.vocab_size
         for name, ids in (("logit_bias", sp.logit_bias or {}),
                           ("stop_token_ids", sp.stop_token_ids or [])):

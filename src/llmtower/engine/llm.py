@@ -24,6 +24,7 @@ from llmtower.engine.input_processor import (
 from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.preload import PreloadStatus
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
+from llmtower.engine.vllm_compat import log_ignored_vllm_settings
 
 
 class LLM:
@@ -42,6 +43,7 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}: "
                              f"LLM(...) accepts model and the EngineArgs fields: {valid}")
         args = EngineArgs(model=model or DEFAULT_MODEL, **engine_args)
+        log_ignored_vllm_settings(args)  # vLLM settings that change nothing here, once
         if args.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: the offline LLM runs "
                              "one engine in this process; for several engine processes use "
@@ -59,7 +61,8 @@ class LLM:
         self._setup(engine_core, InputProcessor(
             tokenizer, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, default_sampling=defaults,
-            max_model_len_reason=engine_core.scheduler.config.max_model_len_reason))
+            max_model_len_reason=engine_core.scheduler.config.max_model_len_reason,
+            max_logprobs=args.max_logprobs))
 
     @classmethod
     def from_engine_core(cls, engine_core: Any, tokenizer: Any,

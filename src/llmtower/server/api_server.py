@@ -11,7 +11,7 @@ import gc
 import logging
 import socket
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -28,6 +28,13 @@ from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.admin_memory import preload_at_start
 from llmtower.server.errors import APIError, error_response, install_exception_handlers
+from llmtower.server.frontend_options import (
+    FrontendOptions,
+    fastapi_kwargs,
+    force_usage,
+    install_frontend_middleware,
+    uvicorn_kwargs,
+)
 from llmtower.server.limits import RequestLimits
 from llmtower.server.middleware import (
     PUBLIC_PATHS,
@@ -86,6 +93,8 @@ class ServerSettings:
     # Tool calling (issue 12): tool_choice="auto" needs both.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's frontend flags: CORS, request-id headers, forced usage, root path, docs, TLS.
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -108,8 +117,8 @@ class ServerSettings:
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over a started ``AsyncLLM``."""
     # /docs: FastAPI's OpenAPI page over the request models (no key needed to read it).
-    app = FastAPI(title="llmtower", version=llmtower.__version__, docs_url="/docs",
-                  redoc_url=None)
+    app = FastAPI(title="llmtower", version=llmtower.__version__,
+                  **fastapi_kwargs(settings.frontend))
     app.state.llm = llm
     install_exception_handlers(app)
     # Innermost: counts what is in flight for the graceful shutdown, refuses once draining.
@@ -128,6 +137,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.add_middleware(HTTPMetricsMiddleware, metrics=llm.metrics.http)
     if settings.enable_log_requests:
         app.add_middleware(AccessLogMiddleware, max_log_len=settings.max_log_len)
+    install_frontend_middleware(app, settings.frontend)  # last: CORS is outermost
     limits = RequestLimits.for_model(
         llm.max_model_len, max_n=settings.max_n,
         trust_request_chat_template=settings.trust_request_chat_template)
@@ -140,11 +150,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await completions.create_completion(body, raw)
+        return await completions.create_completion(force_usage(body, settings.frontend), raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat.create_chat_completion(body, raw)
+        return await chat.create_chat_completion(force_usage(body, settings.frontend), raw)
 
     def model_card(name: str) -> ModelCard:
         ready = llm.ready
@@ -272,11 +282,11 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level or settings.log_level,
                                 access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **uvicorn_kwargs(settings.frontend))
         server = _Server(config)
         shutdown.stop_server = server.request_exit
-        logger.info("llmtower serving %s on http://%s:%d", llm.model_name, settings.host,
-                    sock.getsockname()[1])
+        logger.info("llmtower serving %s on %s://%s:%d", llm.model_name,
+                    settings.frontend.scheme, settings.host, sock.getsockname()[1])
         if settings.host in ("127.0.0.1", "localhost", "::1"):
             logger.info("listening on this machine only; to accept other machines (or from "
                         "outside a container) start with --host 0.0.0.0 (and set --api-key)")
