@@ -103,6 +103,30 @@ def test_config_file_takes_the_vllm_flags(tmp_path):
         1, True, 2**30, True, ["*"], 4)
 
 
+def test_override_generation_config_merges_over_the_models_defaults(tmp_path):
+    import json
+
+    from llmtower.engine.input_processor import load_generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "do_sample": False}))
+    assert load_generation_defaults("auto", tmp_path) == {"temperature": 0.0, "top_p": 0.9}
+    args = EngineArgs.from_cli_args(_serve_args(
+        ["--override-generation-config", '{"temperature": 0.3, "max_new_tokens": 7}']))
+    assert load_generation_defaults("auto", tmp_path, args.generation_overrides()) == {
+        "temperature": 0.3, "top_p": 0.9, "max_tokens": 7}
+    assert load_generation_defaults("vllm", tmp_path, {"top_k": 5}) == {"top_k": 5}
+    cfg = tmp_path / "c.yaml"  # a YAML mapping works as the JSON value
+    cfg.write_text("override-generation-config: {top_k: 4}\n")
+    from llmtower.cli.config_file import apply_config_file
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    apply_config_file(sub.choices["serve"], str(cfg))
+    assert EngineArgs.from_cli_args(sub.choices["serve"].parse_args([])
+                                    ).generation_overrides() == {"top_k": 4}
+    with pytest.raises(ValueError, match="no sampling default"):
+        EngineArgs(override_generation_config='{"temp": 1}')
+
+
 def test_offline_llm_takes_vllm_keyword_arguments(tiny_llama_dir, caplog):
     from llmtower.core.sampling_params import SamplingParams
     from llmtower import LLM as EngineLLM
@@ -114,10 +138,12 @@ def test_offline_llm_takes_vllm_keyword_arguments(tiny_llama_dir, caplog):
     with caplog.at_level(logging.WARNING):
         llm = EngineLLM(str(tiny_llama_dir), tensor_parallel_size=1, enforce_eager=True,
                         max_logprobs=2, num_threads=1, max_model_len=128,
-                        kv_cache_memory_bytes="8M")
+                        kv_cache_memory_bytes="8M",
+                        override_generation_config={"max_new_tokens": 3, "temperature": 0})
     assert any("--enforce-eager changes nothing here" in r.getMessage()
                for r in caplog.records)
     out = llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0, logprobs=2))
     assert len(out[0].outputs[0].token_ids) == 2
+    assert len(llm.generate(["hello"])[0].outputs[0].token_ids) <= 3  # the override's default
     with pytest.raises(ValueError, match="max_logprobs of 2"):
         llm.generate(["hello"], SamplingParams(max_tokens=2, logprobs=3))

@@ -7,6 +7,7 @@ still win. Unknown keys and values outside a flag's choices are errors that name
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
             if action.nargs not in ("+", "*"):
                 raise ValueError(f"--config {path}: {key} takes one value, not a list")
             value = [convert(str(v)) for v in value]
+        elif isinstance(value, dict):  # a JSON-valued flag written as a YAML mapping
+            value = json.dumps(value)
         elif value is not None:
             # A string default is converted by argparse with the flag's own type.
             value = str(value)

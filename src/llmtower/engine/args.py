@@ -242,6 +242,10 @@ class EngineArgs:
                                 "repetition_penalty, max_new_tokens) for fields a request leaves "
                                 "out: 'auto' (the model's generation_config.json), 'vllm' (none) "
                                 "or a directory holding a generation_config.json")
+    override_generation_config: str | dict | None = _f(
+        None, "sampling defaults as JSON over --generation-config's (vLLM's flag), e.g. "
+        "'{\"temperature\": 0.6, \"max_new_tokens\": 512}'; keys: temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens, do_sample")
     speculative_config: str | dict | None = _f(
         None, "speculative decoding as a JSON object with vLLM's names, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}'; "
@@ -310,6 +314,7 @@ class EngineArgs:
                              "drafts of step N+1 depend on step N's tokens): drop "
                              "--async-scheduling or --speculative-config")
         parse_swap_space(self.swap_space)
+        self.generation_overrides()  # bad JSON or keys fail here, before the model loads
         _check_field_values(self)
         if self.swap_space_dtype == "int8" and self.preemption_mode != "swap":
             raise ValueError("--swap-space-dtype int8 compresses swapped-out KV blocks, but "
@@ -356,6 +361,22 @@ class EngineArgs:
         if isinstance(names, str):
             names = [names]
         return list(names) if names else [self.model]
+
+    def generation_overrides(self) -> dict | None:
+        """--override-generation-config as a dict (ValueError for bad JSON or keys)."""
+        value = self.override_generation_config
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("override_generation_config must be a JSON object, e.g. "
+                             "'{\"temperature\": 0.6}'")
+        from llmtower.engine.input_processor import check_generation_override
+        check_generation_override(value)
+        return value
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -123,7 +123,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         defaults = load_generation_defaults(self.engine_args.generation_config,
-                                            Path(self.ready.model_path))
+                                            Path(self.ready.model_path),
+                                            self.engine_args.generation_overrides())
         self.input_processor = InputProcessor(
             tokenizer, max_model_len=self.ready.max_model_len, vocab_size=self.ready.vocab_size,
             eos_token_ids=self.ready.eos_token_ids, chat_template=self.chat_template,

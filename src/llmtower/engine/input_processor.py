@@ -46,10 +46,32 @@ def resolve_chat_template(value: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
-def load_generation_defaults(source: str, model_path: Path | None) -> dict[str, Any]:
+def load_generation_defaults(source: str, model_path: Path | None,
+                             override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sampling defaults of ``generation_config.json`` (``--generation-config``):
     ``auto`` reads the model directory's, ``vllm`` ignores it, anything else is a directory
-    holding one. Returned under SamplingParams names; only fields the file sets."""
+    holding one; then ``override`` (``--override-generation-config``, the same keys) on top,
+    as vLLM merges them. Returned under SamplingParams names; only fields that are set."""
+    raw = _generation_config(source, model_path)
+    raw.update(override or {})
+    defaults = {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
+                if raw.get(theirs) is not None}
+    if raw.get("do_sample") is False and "temperature" not in (override or {}):
+        defaults["temperature"] = 0.0  # greedy is what "no sampling" means
+    SamplingParams(**defaults)  # a bad value fails at start-up, not on every request
+    return defaults
+
+
+def check_generation_override(override: dict[str, Any] | None) -> None:
+    """ValueError for an --override-generation-config key that sets nothing here."""
+    unknown = sorted(set(override or {}) - {*_GENERATION_CONFIG_FIELDS, "do_sample"})
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(map(repr, unknown))} "
+                         "set(s) no sampling default here; use "
+                         f"{', '.join(sorted({*_GENERATION_CONFIG_FIELDS, 'do_sample'}))}")
+
+
+def _generation_config(source: str, model_path: Path | None) -> dict[str, Any]:
     if source == "vllm":
         return {}
     if source == "auto":
@@ -69,12 +91,7 @@ def load_generation_defaults(source: str, model_path: Path | None) -> dict[str, 
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from e
-    defaults = {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
-                if raw.get(theirs) is not None}
-    if raw.get("do_sample") is False:
-        defaults["temperature"] = 0.0  # greedy is what "no sampling" means
-    SamplingParams(**defaults)  # a bad value fails at start-up, not on every request
-    return defaults
+    return dict(raw) if isinstance(raw, dict) else {}
 
 
 class InputProcessor:

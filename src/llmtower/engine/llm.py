@@ -51,7 +51,8 @@ class LLM:
         from llmtower.models.loader import load_tokenizer, resolve_model_path
 
         path = resolve_model_path(args.model)  # a missing model fails here, before any work
-        defaults = load_generation_defaults(args.generation_config, path)
+        defaults = load_generation_defaults(args.generation_config, path,
+                                            args.generation_overrides())
         from llmtower.engine.factory import create_engine_core  # builds the model: slow import
 
         engine_core = create_engine_core(args)

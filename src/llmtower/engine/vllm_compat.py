@@ -21,7 +21,8 @@ logger = logging.getLogger("llmtower.engine.args")
 VLLM_ONLY_FIELDS = ("kv_cache_memory_bytes", "max_logprobs", "tensor_parallel_size",
                     "pipeline_parallel_size", "gpu_memory_utilization", "enforce_eager",
                     "trust_remote_code", "load_format", "tokenizer_mode", "revision",
-                    "code_revision", "tokenizer_revision", "download_dir")
+                    "code_revision", "tokenizer_revision", "download_dir",
+                    "override_generation_config")
 # The weight formats this engine reads (vLLM's --load-format names).
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # The tokenizer modes it has: 'auto' (vLLM's default; newer vLLM calls it 'hf').
