@@ -232,6 +232,25 @@ def test_async_client_streams_and_a_cancelled_stream_frees_its_request(tiny_serv
     _wait_until_idle_with_aborts(tiny_server, aborted_before, 3)
 
 
+def test_async_stream_helpers_parse_chat_and_responses(tiny_server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x",
+                                      max_retries=0) as ac:
+            async with ac.chat.completions.stream(model=MODEL, messages=MSG,
+                                                  response_format=Weather, **SAMPLED) as s:
+                kinds = {e.type async for e in s}
+                chat = await s.get_final_completion()
+            async with ac.responses.stream(model=MODEL, input="Weather?", text_format=Weather,
+                                           max_output_tokens=200, temperature=1.0) as s2:
+                last = [e.type async for e in s2][-1]
+                response = await s2.get_final_response()
+            return kinds, chat, last, response
+
+    kinds, chat, last, response = asyncio.run(main())
+    assert "content.done" in kinds and isinstance(chat.choices[0].message.parsed, Weather)
+    assert last == "response.completed" and isinstance(response.output_parsed, Weather)
+
+
 def test_models_list_and_retrieve(client, tiny_server):
     (listed,) = client.models.list().data
     card = client.models.retrieve(MODEL)
