@@ -156,13 +156,16 @@ def test_responses_refuse_what_they_would_otherwise_ignore(client):
         (dict(tools=[{"type": "function", "name": "f", "parameters": {}}], tool_choice="auto"),
          "tools are not supported"),
         (dict(tool_choice="required"), "needs tools"),
+        (dict(include=["message.output_text.logprobs"]), "include=['message.output_text"),
+        (dict(truncation="auto"), "truncation: Input should be 'disabled'"),
     ]:
         with pytest.raises(openai.BadRequestError, match=re.escape(words)) as e:
             client.responses.create(model=MODEL, input="hi", max_output_tokens=2, **kwargs)
         assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
     # What clients send by default without tools is accepted.
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
-                                tool_choice="auto", parallel_tool_calls=True)
+                                tool_choice="auto", parallel_tool_calls=True, include=[],
+                                truncation="disabled")
     assert r.usage.output_tokens == 2
 
 

@@ -105,6 +105,9 @@ class ResponsesRequest(OpenAIModel):
     # Without tools, "none" and "auto" change nothing (clients send them by default).
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Accepted at the values that change nothing ([], "disabled"); others are 400s.
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
     store: bool | None = None  # accepted; nothing is stored
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -117,6 +120,9 @@ class ResponsesRequest(OpenAIModel):
         if self.tools:
             raise ValueError("tools are not supported on /v1/responses; remove them, or call "
                              "tools through /v1/chat/completions")
+        if self.include:
+            raise ValueError(f"include={self.include!r} is not supported: this server adds "
+                             "nothing to its output items; remove it")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice={self.tool_choice!r} needs tools, which "
                              "/v1/responses does not support; use /v1/chat/completions")
