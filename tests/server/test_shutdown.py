@@ -85,7 +85,12 @@ def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_f
         _wait_running(server, 20)
         engine_pid = server.engine_pid()
         os.kill(server.proc.pid, signal.SIGTERM)
-        time.sleep(0.2)
+        # Until the handler has run (a fixed 0.2 s was too short on a loaded machine): the
+        # model list is refused as every new request is, and costs the engine nothing.
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.base_url}/v1/models", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the server never stopped accepting"
+            time.sleep(0.02)
         late = httpx.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 2},
                           timeout=10)
         assert late.status_code == 503
