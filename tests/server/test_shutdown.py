@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
 
@@ -132,8 +133,13 @@ def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_f
         server.stop()
 
 
-def test_ctrl_c_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tiny_llama_dir):
-    sig = signal.SIGINT
+@pytest.mark.parametrize("to_group", [False, True], ids=["ctrl_c", "sigterm_to_the_group"])
+def test_a_signal_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tiny_llama_dir,
+                                                              to_group):
+    """Ctrl-C (SIGINT to the server), and SIGTERM to every process of the group at once as
+    systemd (KillMode=control-group), `kill -TERM -- -PGID` and `timeout` send it: the stream
+    in flight ends normally. The engine, signalled too, must not die under the drain."""
+    sig = signal.SIGTERM if to_group else signal.SIGINT
     server = start_server(tmp_path_factory, "drain_server", [
         "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"])
     try:
@@ -146,14 +152,17 @@ def test_ctrl_c_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tin
         worker.start()
         assert started.wait(120), "the stream never started"
         engine_pid = server.engine_pid()
-        os.kill(server.proc.pid, sig)
+        if to_group:
+            os.killpg(server.proc.pid, sig)
+        else:
+            os.kill(server.proc.pid, sig)
         worker.join(60)
         assert server.proc.wait(60) == 0
         status, lines = results["s"]
-        assert status == 200 and lines[-1] == "data: [DONE]"
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
         log = _log_after(server, signal.Signals(sig).name)
-        assert "Traceback" not in log and "Again" not in log, log
+        assert "Traceback" not in log and "Again" not in log and "died" not in log, log
         assert log.count("llmtower stopped") == 1
         assert _engine_gone(engine_pid)
     finally:
@@ -170,35 +179,6 @@ def test_ctrl_c_of_an_idle_server_logs_one_line(tmp_path_factory, tiny_llama_dir
         assert server.proc.wait(30) == 0
         new_lines = server.log_path.read_text().splitlines()[before:]
         assert len(new_lines) == 1 and "llmtower stopped on SIGINT" in new_lines[0], new_lines
-        assert _engine_gone(engine_pid)
-    finally:
-        server.stop()
-
-
-def test_sigterm_to_the_whole_process_group_still_drains(tmp_path_factory, tiny_llama_dir):
-    """systemd (KillMode=control-group), `kill -TERM -- -PGID` and `timeout` signal every
-    process at once: the engine must not die under the requests the API server is draining."""
-    server = start_server(tmp_path_factory, "group_term_server", [
-        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"])
-    try:
-        url = f"{server.base_url}/v1/completions"
-        results: dict = {}
-        started = threading.Event()
-        worker = threading.Thread(target=_stream, args=(url, {
-            "model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True,
-            "stream": True}, results, "s", started))
-        worker.start()
-        assert started.wait(120), "the stream never started"
-        engine_pid = server.engine_pid()
-        os.killpg(server.proc.pid, signal.SIGTERM)
-        worker.join(60)
-        assert server.proc.wait(60) == 0
-        status, lines = results["s"]
-        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
-        log = _log_after(server, "SIGTERM")
-        assert "died" not in log and "Traceback" not in log, log
-        assert log.count("llmtower stopped") == 1
         assert _engine_gone(engine_pid)
     finally:
         server.stop()
