@@ -1,17 +1,19 @@
 """Request and response bodies of POST /v1/responses (OpenAI's Responses API), the subset a
-text model serves: text input (a string or messages), instructions, sampling settings, the
-output's format (``text.format``: plain text, a JSON schema, any JSON object), and one
-assistant message of output text. The request becomes a chat completion request. Fields of
-the Responses API this server does not serve are refused (400 naming them), not ignored."""
+text model serves: text input (a string or messages, function calls and their outputs),
+instructions, sampling settings, the output's format (``text.format``: plain text, a JSON
+schema, any JSON object), function tools with ``tool_choice``, and as output an assistant
+message and/or function calls. The request becomes a chat completion request. Fields of the
+Responses API this server does not serve are refused (400 naming them), not ignored."""
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from llmtower.server.protocol import MAX_MESSAGES, ChatCompletionRequest, Count, Int64, OpenAIModel
+from llmtower.server.protocol import (MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, Count,
+                                      Int64, OpenAIModel)
 from llmtower.server.unknown_fields import reject_unknown_fields
 
 
@@ -37,6 +39,110 @@ class InputItem(OpenAIModel):
                                  "input_text only")
             parts.append(p.text or "")
         return "".join(parts)
+
+
+class FunctionCallItem(OpenAIModel):
+    """A function call of an earlier answer, sent back in ``input``."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+    def chat_call(self) -> dict[str, Any]:
+        return {"id": self.call_id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class FunctionCallOutputItem(OpenAIModel):
+    """What the client's function returned for one call (``call_id``)."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        parts = []
+        for p in self.output:
+            if p.type not in ("input_text", "output_text", "text"):
+                raise ValueError(f"function_call_output content of type {p.type!r} is not "
+                                 "supported; send the output as a string or input_text parts")
+            parts.append(p.text or "")
+        return "".join(parts)
+
+
+def _input_kind(item: Any) -> str:
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind or "message"
+
+
+AnyInputItem = Annotated[
+    Annotated[InputItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_input_kind, custom_error_type="input_item_type",
+                  custom_error_message="input items must be of type 'message', "
+                                       "'function_call' or 'function_call_output'")]
+
+FUNCTION_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+NAMED_CHOICE = '{"type": "function", "name": "..."}'
+
+
+def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Responses API's function tools (name, parameters, ... at the top) in the chat
+    completions shape; other tool types (web_search, file_search, ...) are a ValueError."""
+    other = [t.get("type") if isinstance(t, dict) else t for t in tools
+             if not isinstance(t, dict) or t.get("type") != "function"]
+    if other:
+        raise ValueError(f"tools of type {', '.join(repr(o) for o in other)} are not supported: "
+                         "this server calls function tools only ({\"type\": \"function\", "
+                         "\"name\": ..., \"parameters\": {...}}); remove the others")
+    out = []
+    for i, tool in enumerate(tools):
+        if "function" in tool:
+            raise ValueError(f"tools[{i}] has the chat completions shape; the Responses API "
+                             "puts the function's fields at the top: {\"type\": \"function\", "
+                             "\"name\": ..., \"description\": ..., \"parameters\": {...}}")
+        unknown = sorted(k for k, v in tool.items()
+                         if k not in FUNCTION_TOOL_FIELDS and v is not None)
+        if unknown:
+            raise ValueError(f"tools[{i}]: unknown field(s) {', '.join(map(repr, unknown))} "
+                             f"(a function tool has {', '.join(FUNCTION_TOOL_FIELDS)}); "
+                             "remove them")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ValueError(f"tools[{i}].name must be a non-empty string")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise ValueError(f"tools[{i}].parameters must be a JSON schema object")
+        out.append({"type": "function", "function": {
+            k: v for k, v in tool.items() if k in FUNCTION_TOOL_FIELDS[1:] and v is not None}})
+    return out
+
+
+def chat_tool_choice(choice: Any, has_tools: bool) -> Any:
+    """The Responses API's ``tool_choice`` as chat's: the strings as they are, a named function
+    ``{"type": "function", "name": N}`` as ``{"type": "function", "function": {"name": N}}``."""
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice={choice!r} is invalid: use \"none\", \"auto\", "
+                             f"\"required\" or {NAMED_CHOICE}")
+        # Without tools, "none" and "auto" change nothing (clients send them by default).
+        return choice if has_tools or choice == "required" else None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool_choice={choice!r} needs the function's name at the top: "
+                             f"{NAMED_CHOICE}")
+        return {"type": "function", "function": {"name": name}}
+    raise ValueError(f"tool_choice={choice!r} is not supported: use \"none\", \"auto\", "
+                     f"\"required\" or {NAMED_CHOICE} (this server calls function tools only)")
 
 
 class TextFormat(OpenAIModel):
@@ -90,7 +196,7 @@ class ResponsesRequest(OpenAIModel):
         return reject_unknown_fields(cls, data)
 
     model: str | None = None
-    input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    input: str | list[AnyInputItem] = Field(max_length=MAX_MESSAGES)
     instructions: str | None = None
     max_output_tokens: Count | None = None
     temperature: float | None = None
@@ -101,8 +207,9 @@ class ResponsesRequest(OpenAIModel):
     seed: Int64 | None = None
     stream: bool = False
     previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    # Without tools, "none" and "auto" change nothing (clients send them by default).
+    # Function tools (others are refused); tool_choice "none", "auto", "required" or a named
+    # function, enforced as chat completions enforce them.
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # Accepted at the values that change nothing ([], "disabled"); others are 400s.
@@ -117,26 +224,37 @@ class ResponsesRequest(OpenAIModel):
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id is not supported (this server stores no "
                              "responses): send the whole conversation in input")
-        if self.tools:
-            raise ValueError("tools are not supported on /v1/responses; remove them, or call "
-                             "tools through /v1/chat/completions")
         if self.include:
             raise ValueError(f"include={self.include!r} is not supported: this server adds "
                              "nothing to its output items; remove it")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice={self.tool_choice!r} needs tools, which "
-                             "/v1/responses does not support; use /v1/chat/completions")
-        messages: list[dict[str, str]] = []
+        tools = chat_tools(self.tools or [])
+        tool_choice = chat_tool_choice(self.tool_choice, bool(tools))
+        messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [{"role": "system" if m.role == "developer" else m.role,
-                          "content": m.text()} for m in self.input]
+            for m in self.input:
+                if isinstance(m, FunctionCallItem):
+                    # Calls join the assistant message before them (its text, its other calls).
+                    last = messages[-1] if messages else None
+                    if last is not None and last["role"] == "assistant":
+                        last.setdefault("tool_calls", []).append(m.chat_call())
+                    else:
+                        messages.append({"role": "assistant", "content": None,
+                                         "tool_calls": [m.chat_call()]})
+                elif isinstance(m, FunctionCallOutputItem):
+                    messages.append({"role": "tool", "tool_call_id": m.call_id,
+                                     "content": m.text()})
+                else:
+                    messages.append({"role": "system" if m.role == "developer" else m.role,
+                                     "content": m.text()})
         if not messages:
             raise ValueError("input is empty: send a string or at least one message")
         return ChatCompletionRequest.model_validate({
+            "tools": tools or None, "tool_choice": tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
             "model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
@@ -159,8 +277,20 @@ class OutputMessage(OpenAIModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class OutputFunctionCall(OpenAIModel):
+    """A function call of the answer (``call_id`` is the chat tool call's id)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str = Field(default_factory=lambda: f"fc_{uuid.uuid4().hex}")
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class InputTokensDetails(OpenAIModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # required by the SDK's type; nothing is billed for writes
 
 
 class OutputTokensDetails(OpenAIModel):
@@ -187,7 +317,7 @@ class ResponsesResponse(OpenAIModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete", "failed"] = "completed"
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
@@ -195,8 +325,8 @@ class ResponsesResponse(OpenAIModel):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "none"
     tools: list[Any] = Field(default_factory=list)
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
