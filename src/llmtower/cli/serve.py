@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                               log_stats=not args.disable_log_stats,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser,
                               frontend=frontend_options(args),
                               **_guard_settings(args))
     return run_server(EngineArgs.from_cli_args(args), settings)
@@ -142,6 +143,10 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, "
                    "Qwen2.5 / SmolLM2 style) or llama3_json")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> off into the answer's "
+                   "reasoning_content: deepseek_r1 (the start tag may be in the prompt: text "
+                   "up to </think> is reasoning) or qwen3 (reasoning only after <think>)")
 
 
 def _add_guard_args(p: argparse.ArgumentParser) -> None:

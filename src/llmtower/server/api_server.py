@@ -53,6 +53,7 @@ from llmtower.server.protocol import (
     continue_final_kwargs,
 )
 from llmtower.server.serving_chat import OpenAIServingChat
+from llmtower.server.reasoning import get_reasoning_parser
 from llmtower.server.tool_parsers.tool_choice import ToolSettings, plan_tools
 from llmtower.server.serving_completions import OpenAIServingCompletion
 from llmtower.server.serving_probes import build_probe_router
@@ -93,6 +94,8 @@ class ServerSettings:
     # Tool calling (issue 12): tool_choice="auto" needs both.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser: the thinking in reasoning_content (None: no split).
+    reasoning_parser: str | None = None
     # vLLM's frontend flags: CORS, request-id headers, forced usage, root path, docs, TLS.
     frontend: FrontendOptions = field(default_factory=FrontendOptions)
 
@@ -110,6 +113,8 @@ class ServerSettings:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: give "
                              "seconds >= 0")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here
         if self.metrics_require_auth and not self.api_key:
             raise ValueError("metrics_require_auth needs an API key (--api-key)")
 
@@ -143,7 +148,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         trust_request_chat_template=settings.trust_request_chat_template)
     completions = OpenAIServingCompletion(llm, limits)
     chat = OpenAIServingChat(llm, limits, ToolSettings(settings.enable_auto_tool_choice,
-                                                        settings.tool_call_parser))
+                                                        settings.tool_call_parser),
+                             get_reasoning_parser(settings.reasoning_parser)
+                             if settings.reasoning_parser else None)
     app.include_router(build_admin_router(llm))
     app.include_router(build_responses_router(chat))
     app.include_router(build_probe_router(llm))

@@ -449,6 +449,17 @@ class ChatResponseMessage(OpenAIModel):
     refusal: str | None = None
     annotations: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # --reasoning-parser: the thinking (vLLM's two names), left out of the JSON when none.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_reasoning(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if out.get(key, "") is None:
+                del out[key]
+        return out
 
 
 class ChatChoice(OpenAIModel):
@@ -477,6 +488,8 @@ class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser (both of vLLM's names)
+    reasoning: str | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -288,6 +288,21 @@ class OutputFunctionCall(OpenAIModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(OpenAIModel):
+    """The answer's thinking (--reasoning-parser), an item before its message."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class InputTokensDetails(OpenAIModel):
     cached_tokens: int = 0
     cache_write_tokens: int = 0  # required by the SDK's type; nothing is billed for writes
@@ -317,7 +332,8 @@ class ResponsesResponse(OpenAIModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete", "failed"] = "completed"
     model: str
-    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = Field(
+        default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None

@@ -16,6 +16,7 @@ from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                       TopLogprob, continue_final_kwargs)
 from llmtower.server.access_log import note_prompt, note_tokens
+from llmtower.server.reasoning import ReasoningParser
 from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan, ToolSettings,
                                                       constrain_to_tools, plan_tools,
                                                       tool_finish_reason)
@@ -36,6 +37,19 @@ def tool_message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
         return ChatResponseMessage(role=ROLE, content=text)
     return ChatResponseMessage(role=ROLE, content=extracted.content,
                                tool_calls=[c.to_openai() for c in extracted.tool_calls])
+
+
+def reasoning_message(plan: ToolPlan | None, text: str,
+                      reasoner: ReasoningParser | None) -> ChatResponseMessage:
+    """``tool_message`` with --reasoning-parser: the thinking split off first, tool calls
+    looked for in the rest only."""
+    if reasoner is None:
+        return tool_message(plan, text)
+    reasoning, content = reasoner.extract_reasoning(text)
+    message = (tool_message(plan, content) if content is not None
+               else ChatResponseMessage(role=ROLE, content=None))
+    message.reasoning_content = message.reasoning = reasoning
+    return message
 
 
 def chat_logprobs(entries: SampleLogprobs, top_k: int, as_ids: bool = False) -> ChatLogprobs:
@@ -67,9 +81,11 @@ class OpenAIServingChat(ServingBase):
     response and chunk formats."""
 
     def __init__(self, llm: Any, limits: Any = None,
-                 tool_settings: ToolSettings | None = None) -> None:
+                 tool_settings: ToolSettings | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(llm, limits)
         self.tool_settings = tool_settings or ToolSettings()
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -82,6 +98,9 @@ class OpenAIServingChat(ServingBase):
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           self.tool_settings)
         params = constrain_to_tools(params, plan)
+        # A grammar (structured output, a required / named tool) holds from the first token,
+        # so such an answer has no thinking: all of it is content.
+        reasoner = self.reasoning_parser if params.structured_outputs is None else None
         if plan.template_tools():
             template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
         template_kwargs.update(continue_final_kwargs(req.continue_final_message,
@@ -106,18 +125,19 @@ class OpenAIServingChat(ServingBase):
         top_k = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, ids, params.n, top_k,
-                                                  first, stream, plan),
+                                                  first, stream, plan, reasoner),
                                      media_type="text/event-stream")
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, ids, params.n, top_k, first, stream,
-                                   plan))
+                                   plan, reasoner))
         except ClientDisconnected:
             return Response(status_code=499)
 
     async def _collect(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                        n: int, top_k: int, first, stream,
-                       plan: ToolPlan | None = None) -> ChatCompletionResponse:
+                       plan: ToolPlan | None = None,
+                       reasoner: ReasoningParser | None = None) -> ChatCompletionResponse:
         num_prompt = len(prompt_ids)
         texts = [""] * n
         num_tokens = [0] * n
@@ -143,7 +163,7 @@ class OpenAIServingChat(ServingBase):
             item = await anext(stream, None)
         note_tokens(request_id, num_prompt, sum(num_tokens))
         echo = echo_text(req)
-        messages = [tool_message(plan, echo + texts[i]) for i in range(n)]
+        messages = [reasoning_message(plan, echo + texts[i], reasoner) for i in range(n)]
         return ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatChoice(
@@ -163,7 +183,8 @@ class OpenAIServingChat(ServingBase):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       n: int, top_k: int, first, stream,
-                      plan: ToolPlan | None = None) -> AsyncGenerator[str, None]:
+                      plan: ToolPlan | None = None,
+                      reasoner: ReasoningParser | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
         model = self.model_name
         num_prompt = len(prompt_ids)
@@ -181,9 +202,15 @@ class OpenAIServingChat(ServingBase):
             return out
 
         # One choice per chunk, as OpenAI streams n > 1.
+        thinkers = [reasoner.streamer() for _ in range(n)] if reasoner is not None else None
+        echo = echo_text(req)
         for i in range(n):
-            yield sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(
-                role=ROLE, content=echo_text(req)))]).model_dump_json(exclude_none=True))
+            first_delta = DeltaMessage(role=ROLE, content=echo)
+            if thinkers is not None:  # the echo is split as the text that follows it
+                first_delta.reasoning_content, first_delta.content = thinkers[i].feed(echo)
+                first_delta.reasoning = first_delta.reasoning_content
+            yield sse(chunk([ChatStreamChoice(index=i, delta=first_delta)]).model_dump_json(
+                exclude_none=True))
         num_tokens = 0
         final: RequestOutput | None = None
         item = first
@@ -196,18 +223,21 @@ class OpenAIServingChat(ServingBase):
                     num_tokens += len(c.token_ids)
                     choice_tokens[c.index] += len(c.token_ids)
                     wants_ids = req.return_token_ids and bool(c.token_ids)
-                    delta = DeltaMessage(content=c.text or None)
+                    text: str | None = c.text
+                    delta = DeltaMessage(content=text or None)
                     finish_reason = c.finish_reason
+                    if thinkers is not None:  # the thinking first; the rest is content
+                        delta.reasoning_content, text = thinkers[c.index].feed(
+                            c.text, c.finish_reason is not None)
+                        delta.reasoning, delta.content = delta.reasoning_content, text
                     if streamers is not None:  # tool calls: content and/or call deltas
                         s = streamers[c.index]
-                        delta.content, delta.tool_calls = s.feed(c.text,
+                        delta.content, delta.tool_calls = s.feed(text or "",
                                                                  c.finish_reason is not None)
                         finish_reason = tool_finish_reason(c.finish_reason, s.called)
-                        if (delta.content is None and delta.tool_calls is None
-                                and c.finish_reason is None and not c.logprobs and not wants_ids):
-                            continue
-                    elif (not c.text and c.finish_reason is None and not c.logprobs
-                          and not wants_ids):
+                    if (delta.content is None and delta.tool_calls is None
+                            and delta.reasoning_content is None and c.finish_reason is None
+                            and not c.logprobs and not wants_ids):
                         continue
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=delta,

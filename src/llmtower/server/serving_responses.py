@@ -20,7 +20,9 @@ from llmtower.server.protocol_responses import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
@@ -44,13 +46,19 @@ def _usage(usage: dict[str, Any] | None) -> ResponseUsage | None:
                          input_tokens_details=InputTokensDetails(cached_tokens=cached))
 
 
-def _output_items(message: Any, status: Literal["completed", "incomplete"]
-                  ) -> list[OutputMessage | OutputFunctionCall]:
-    """A chat answer's message as output items: its text as a message (left out when the
-    model called functions and wrote nothing else but whitespace), then one item per call."""
+Item = OutputReasoning | OutputMessage | OutputFunctionCall
+
+
+def _output_items(message: Any, status: Literal["completed", "incomplete"]) -> list[Item]:
+    """A chat answer's message as output items: its thinking (--reasoning-parser) as a
+    reasoning item, its text as a message (left out when the model called functions and wrote
+    nothing else but whitespace), then one item per call."""
     calls = message.tool_calls or []
     text = message.content or ""
-    items: list[OutputMessage | OutputFunctionCall] = []
+    items: list[Item] = []
+    reasoning = getattr(message, "reasoning_content", None)
+    if reasoning:
+        items.append(OutputReasoning(status=status, content=[ReasoningText(text=reasoning)]))
     if not calls or text.strip():
         items.append(OutputMessage(status=status, content=[OutputText(text=text)]))
     items += [OutputFunctionCall(call_id=c["id"], name=c["function"]["name"],
@@ -67,7 +75,8 @@ class _StreamItems:
 
     def __init__(self, event: Callable[..., str]) -> None:
         self.event = event
-        self.items: list[OutputMessage | OutputFunctionCall] = []
+        self.items: list[Item] = []
+        self.reasoning: OutputReasoning | None = None  # the open reasoning item
         self.message: OutputMessage | None = None  # the open message item
         self.text = ""  # its text so far
         self.pending = ""  # whitespace not sent yet, while no message is open
@@ -99,6 +108,39 @@ class _StreamItems:
                 self.event("response.output_item.done", output_index=ids["output_index"],
                            item=message.model_dump(mode="json"))]
 
+    def reasoning_delta(self, delta: str) -> list[str]:
+        """Thinking: a reasoning item (one reasoning_text part) opens on the first delta."""
+        out = []
+        if self.reasoning is None:
+            self.reasoning = OutputReasoning(status="in_progress")
+            self.items.append(self.reasoning)
+            out += [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                               item=self.reasoning.model_dump(mode="json")),
+                    self.event("response.content_part.added", **self._reasoning_ids(),
+                               part={"type": "reasoning_text", "text": ""})]
+            self.reasoning.content = [ReasoningText(text="")]
+        self.reasoning.content[0].text += delta
+        return out + [self.event("response.reasoning_text.delta", **self._reasoning_ids(),
+                                 delta=delta)]
+
+    def _reasoning_ids(self) -> dict[str, Any]:
+        assert self.reasoning is not None
+        return {"item_id": self.reasoning.id, "output_index": self.items.index(self.reasoning),
+                "content_index": 0}
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        if self.reasoning is None:
+            return []
+        item, ids = self.reasoning, self._reasoning_ids()
+        item.status = status  # type: ignore[assignment]
+        text = item.content[0].text
+        self.reasoning = None
+        return [self.event("response.reasoning_text.done", **ids, text=text),
+                self.event("response.content_part.done", **ids,
+                           part={"type": "reasoning_text", "text": text}),
+                self.event("response.output_item.done", output_index=ids["output_index"],
+                           item=item.model_dump(mode="json"))]
+
     def _close_call(self, status: str) -> list[str]:
         if self.call is None:
             return []
@@ -117,6 +159,8 @@ class _StreamItems:
 
     def text_delta(self, delta: str) -> list[str]:
         out = self._close_call("completed")
+        if delta.strip():
+            out += self._close_reasoning("completed")
         if self.message is None:
             self.pending += delta
             if not self.pending.strip():
@@ -129,7 +173,8 @@ class _StreamItems:
         fn = tool_call.get("function") or {}
         out = []
         if tool_call.get("id") is not None or self.call is None:  # a new call
-            out = self._close_message("completed") + self._close_call("completed")
+            out = (self._close_reasoning("completed") + self._close_message("completed")
+                   + self._close_call("completed"))
             self.pending = ""
             self.call = OutputFunctionCall(call_id=tool_call.get("id") or make_tool_call_id(),
                                            name=fn.get("name") or "", status="in_progress")
@@ -145,7 +190,9 @@ class _StreamItems:
     def finish(self, status: str) -> list[str]:
         """Close what is open; an answer with no item at all gets its (empty) message."""
         out = self._close_call(status)
-        if self.message is None and not self.items:
+        out += self._close_reasoning(status)  # open: cut off, or nothing followed it
+        if self.message is None and not any(isinstance(i, OutputMessage | OutputFunctionCall)
+                                            for i in self.items):
             out += self._open_message()
             if self.pending:
                 out += self._send(self.pending)
@@ -217,6 +264,9 @@ class OpenAIServingResponses:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta") or {}
+                for out in (items.reasoning_delta(delta["reasoning_content"])
+                            if delta.get("reasoning_content") else []):
+                    yield out
                 for out in (items.text_delta(delta["content"]) if delta.get("content") else []):
                     yield out
                 for tool_call in delta.get("tool_calls") or []:
