@@ -14,6 +14,8 @@ import httpx
 import pytest
 from server_args import MODEL, TINY_SERVER_ARGS, start_server
 
+from tests.fixtures.tiny_models import make_tiny_model_dir
+
 
 def _engine_gone(pid: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
@@ -65,15 +67,25 @@ def _wait_running(server, n: int, timeout_s: float = 120) -> None:
     raise AssertionError("the requests never reached the engine")
 
 
+@pytest.fixture(scope="module")
+def slower_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Wider and deeper than tiny_llama_dir (~27 M weights): a 480-token request takes
+    seconds, not the ~0.2 s in which the tiny model finished requests faster than a loaded
+    machine's client threads sent them."""
+    return make_tiny_model_dir(tmp_path_factory, tokenizer_dir=tiny_tokenizer_dir,
+                               hidden_size=512, intermediate_size=1536, num_layers=8,
+                               num_heads=8, num_kv_heads=4)
+
+
 def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_factory,
-                                                                       tiny_llama_dir):
+                                                                       slower_llama_dir):
     server = start_server(tmp_path_factory, "sigterm_server", [
-        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--max-num-seqs", "1",
+        "--model", str(slower_llama_dir), *TINY_SERVER_ARGS, "--max-num-seqs", "1",
         "--shutdown-timeout", "1"])
     try:
         url = f"{server.base_url}/v1/completions"
-        # One sequence runs at a time and each wants 480 tokens (0.1-1 s, by the machine's
-        # speed and load): twenty-four of them outlast the 1 s the shutdown waits.
+        # One sequence runs at a time and each wants 480 tokens (seconds on this model):
+        # twenty-four of them outlast the 1 s the shutdown waits.
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
         results: dict = {}
         threads = [threading.Thread(target=_stream, args=(url, {**body, "stream": True},
