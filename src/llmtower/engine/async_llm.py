@@ -145,7 +145,7 @@ class AsyncLLM:
             # dtype that is token-exact against transformers and say what the other costs.
             logger.info("float32 is token-exact against transformers; this CPU multiplies "
                         "bfloat16 natively: --dtype bfloat16 (vLLM's CPU default) serves "
-                        "~1.6x the tokens at an infinite rate, with ~1.7%% of greedy tokens "
+                        "~1.6x the tokens at an infinite rate, with ~1.7% of greedy tokens "
                         "different on SmolLM2 (docs/performance.md)")
 
     async def _load_tokenizer(self, path: Any) -> Any:
