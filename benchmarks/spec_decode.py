@@ -38,8 +38,8 @@ import torch
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.llm import LLM
 from llmtower.spec_decode.config import SpeculativeConfig
-from llmtower.spec_decode.runner_step import SpecDecodeStep
-from llmtower.spec_decode.setup import attach_spec_decode
+from llmtower.executor.spec_decode_step import SpecDecodeStep
+from llmtower.executor.spec_decode_setup import attach_spec_decode
 
 PASSAGE = (
     "The village of Eldermoor sits at the edge of a deep forest. Every morning the baker "
@@ -130,7 +130,7 @@ def attach_layerskip(runner, cfg: SpeculativeConfig, num_layers: int, model_name
 
     from llmtower.models.llama import LlamaForCausalLM
     from llmtower.models.loader import load_model_config, load_state_dict, resolve_model_path
-    from llmtower.spec_decode.draft_model import DraftModelProposer
+    from llmtower.executor.draft_model import DraftModelProposer
 
     target = runner.model
     path = resolve_model_path(model_name)

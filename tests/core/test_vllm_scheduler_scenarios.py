@@ -260,7 +260,7 @@ def test_stop_token_among_verified_tokens_stops_there_with_its_reason():
 
 
 def test_drafts_never_reach_past_max_tokens():
-    # llmtower trims the drafts to what the request may still output (spec_decode/scheduling.py
+    # llmtower trims the drafts to what the request may still output (core/sched/spec_drafts.py
     # next_drafts), so the verification step cannot overshoot max_tokens; vLLM schedules the
     # drafts and truncates the output afterwards. Either way the output stops at max_tokens.
     e, s = _drafting({"a": [1, 2, 3]}, {"a": [10, 11, 12]}, max_tokens=3)

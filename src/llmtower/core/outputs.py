@@ -125,10 +125,6 @@ class ModelRunnerOutput:
     # Prompt logprobs scored this step, per request that asked (None: nobody did).
     prompt_logprobs: dict[str, list[LogprobsEntry]] | None = None
 
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {rid: i for i, rid in enumerate(self.req_ids)}
-
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A tokenized request sent from a client (AsyncLLM, LLM) to the EngineCore."""

@@ -156,13 +156,6 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.all_token_ids.extend(token_ids)
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"tokens={self.num_computed_tokens}/{self.num_tokens})")

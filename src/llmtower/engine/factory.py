@@ -123,7 +123,7 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
                            cpu_bind=args.cpu_bind_cpus())
     del state_dict
     if args.speculative is not None:
-        from llmtower.spec_decode.setup import attach_spec_decode
+        from llmtower.executor.spec_decode_setup import attach_spec_decode
         attach_spec_decode(executor, args.speculative, dtype=dtype)
     info = ModelInfo(model_config=config, model_path=path, max_model_len=max_model_len,
                      dtype=dtype, num_threads=args.threads,

@@ -27,7 +27,7 @@ from llmtower.executor.sampler import Sampler
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
                                        decode_batch, decode_groups, kernel_decode_mask)
 from llmtower.models.llama import LlamaForCausalLM
-from llmtower.spec_decode.runner_step import SpecDecodeStep, expand_logits_indices
+from llmtower.executor.spec_decode_step import SpecDecodeStep, expand_logits_indices
 from llmtower.structured_output.bitmask import apply_grammar_bitmask, grammar_logits_rows
 
 # Bytes of gathered K and V (one layer) per decode group: small enough to stay in the CPU's

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from llmtower.executor.input_batch import InputBatch
-from llmtower.executor.sampler import _GREEDY_TEMPERATURE, _top_k_top_p
+from llmtower.executor.sampler import _GREEDY_TEMPERATURE, filtered_probs
 
 
 class RejectionSampler:
@@ -109,17 +109,10 @@ def _sample_accept(draft: list[int], p: torch.Tensor, q: torch.Tensor | None,
 
 
 def target_probs(logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
-    """The plain sampler's distribution for each logits row: temperature, top-k, top-p,
-    min-p, normalized. ``rows[i]``: the InputBatch row whose settings apply to row i."""
-    temp = torch.from_numpy(batch.temperature[rows]).unsqueeze(1)
-    logits = logits / temp
-    top_k, top_p = batch.top_k[rows], batch.top_p[rows]
-    if (top_k > 0).any() or (top_p < 1.0).any():
-        logits = _top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    min_p = batch.min_p[rows]
-    if (min_p > 0).any():
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.from_numpy(min_p).unsqueeze(1)
-        probs = probs.masked_fill(probs < threshold, 0.0)
+    """The plain sampler's distribution for each logits row (``sampler.filtered_probs``:
+    temperature, top-k, top-p, min-p), normalized: the acceptance ratios and the residual
+    distribution need true probabilities. ``rows[i]``: the InputBatch row of logits row i."""
+    probs = filtered_probs(logits, rows, batch)
+    if (batch.min_p[rows] > 0).any():  # a min-p cut removed mass
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

@@ -125,16 +125,7 @@ class Sampler:
             row_logits -= frequency * counts + presence * (counts > 0).to(row_logits.dtype)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
-        temp = torch.from_numpy(batch.temperature[rows]).unsqueeze(1)
-        logits = logits / temp
-        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
-        if (top_k > 0).any() or (top_p < 1.0).any():
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        min_p = batch.min_p[rows]
-        if (min_p > 0).any():
-            threshold = probs.amax(dim=-1, keepdim=True) * torch.from_numpy(min_p).unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = filtered_probs(logits, rows, batch)
         noise = torch.empty_like(probs)
         seeded = [(i, batch.generators.get(int(r))) for i, r in enumerate(rows)]
         if any(g is None for _, g in seeded):
@@ -180,6 +171,24 @@ def argmax_rows(logits: torch.Tensor) -> np.ndarray:
     sixth of the time (torch's CPU argmax reads ~2 GB/s here, numpy's SIMD one ~10 times
     that); the [64, 49152] logits of a batch-64 step cost 0.88 ms in torch, 0.14 ms here."""
     return np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False)
+
+
+def filtered_probs(logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
+    """The distribution a sampled row draws from: its logits divided by its temperature,
+    filtered by top-k and top-p, softmaxed, and cut by min-p. ``rows[i]`` is the InputBatch row
+    whose settings apply to logits row i. After a min-p cut the rows are not renormalized (the
+    exponential race does not need it); the rejection sampler renormalizes them itself."""
+    temp = torch.from_numpy(batch.temperature[rows]).unsqueeze(1)
+    logits = logits / temp
+    top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+    if (top_k > 0).any() or (top_p < 1.0).any():
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = batch.min_p[rows]
+    if (min_p > 0).any():
+        threshold = probs.amax(dim=-1, keepdim=True) * torch.from_numpy(min_p).unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Speculative decoding: proposers (ngram, suffix, draft model), the per-request adaptive
-draft length, and the runner-side step that verifies drafts and proposes the next ones.
+"""Speculative decoding: proposers (ngram, suffix), the per-request adaptive draft length, the
+batch gate and the step-cost model. They import nothing above ``core``.
 
-The scheduler only counts and allocates the draft tokens; the rejection sampler lives beside
-the sampler in ``executor/rejection_sampler.py``. See docs/spec_decode.md.
+The scheduler's side (counting and allocating drafts, taking back rejected ones) is
+``core/sched/spec_drafts.py``; the runner's side (writing drafts into the batch, verifying them
+with ``executor/rejection_sampler.py``, the draft model) is ``executor/spec_decode_step.py`` and
+``executor/draft_model.py``. See docs/spec_decode.md.
 """

@@ -24,7 +24,7 @@ class Proposer(Protocol):
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The n-gram and suffix proposers; the draft-model proposer needs the model and the KV
-    cache and is built by the executor (see ``spec_decode/draft_model.py``)."""
+    cache and is built by the executor (see ``executor/draft_model.py``)."""
     if config.method == "ngram":
         from llmtower.spec_decode.ngram_proposer import NgramProposer
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -102,9 +102,6 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.free_queue.num_free / self.num_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
-
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, unlinking free ones from the free list."""
         for b in blocks:

@@ -14,14 +14,14 @@ scattered they are. Taking a snapshot is O(allocated blocks) in Python plus O(bl
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sized
+from typing import Protocol
 
 import msgspec
 
 from llmtower.core.kv_cache.fragmentation import block_runs, free_runs
-
-if TYPE_CHECKING:
-    from llmtower.core.sched.scheduler import Scheduler
+from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager
+from llmtower.core.request import Request
 
 FREE, CACHED, USED, SHARED = ".", "c", "u", "s"
 CPU_FREE, CPU_SWAPPED = ".", "w"
@@ -100,7 +100,24 @@ class KVCacheSnapshot(msgspec.Struct):
                 "in use": self.num_used, "shared": self.num_shared}
 
 
-def take_kv_cache_snapshot(scheduler: Scheduler, engine_index: int = 0) -> KVCacheSnapshot:
+class KVCacheHolders(Protocol):
+    """What a snapshot reads of the scheduler (the ``Scheduler`` is one): the KV cache
+    manager and its queues. A protocol, so that kv_cache does not import the scheduler above it."""
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+
+    @property
+    def running(self) -> Iterable[Request]: ...
+
+    @property
+    def swapped(self) -> Iterable[Request]: ...
+
+    @property
+    def waiting(self) -> Sized: ...
+
+
+def take_kv_cache_snapshot(scheduler: KVCacheHolders, engine_index: int = 0) -> KVCacheSnapshot:
     """The KV cache of ``scheduler`` now (call it between two steps)."""
     t0 = time.perf_counter()
     kv = scheduler.kv

@@ -39,7 +39,7 @@ from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.degradation import DegradationConfig, DegradationController
 from llmtower.core.sched.policy import make_policy
 from llmtower.structured_output.manager import StructuredOutputManager
-from llmtower.spec_decode.scheduling import SpecDecodingStats, apply_verification, next_drafts
+from llmtower.core.sched.spec_drafts import SpecDecodingStats, apply_verification, next_drafts
 
 # Waiting requests skipped in one step before the scan stops: keeps a step O(1) in the
 # queue length even when thousands wait behind a full KV cache.

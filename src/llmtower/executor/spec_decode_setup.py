@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtower.spec_decode.config import SpeculativeConfig
-from llmtower.spec_decode.runner_step import SpecDecodeStep
+from llmtower.executor.spec_decode_step import SpecDecodeStep
 
 
 def attach_spec_decode(executor: Any, config: SpeculativeConfig, **draft_kw: Any) -> SpecDecodeStep:
@@ -13,7 +13,7 @@ def attach_spec_decode(executor: Any, config: SpeculativeConfig, **draft_kw: Any
     runner = executor.runner
     proposer = None
     if config.method == "draft_model":
-        from llmtower.spec_decode.draft_model import DraftModelProposer
+        from llmtower.executor.draft_model import DraftModelProposer
         proposer = DraftModelProposer.load(config, runner, **draft_kw)
     step = SpecDecodeStep(config, runner.sampler, runner.max_model_len, proposer)
     runner.spec_decode = step
