@@ -17,14 +17,15 @@ because the request is finished by then. A request whose in-flight token is its 
 from __future__ import annotations
 
 from llmtower.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
-from llmtower.core.sched.scheduler import Scheduler, _Step
+from llmtower.core.sched.scheduler import Scheduler
+from llmtower.core.sched.step import Step
 
 
 class AsyncScheduler(Scheduler):
     """Owns, beyond ``Scheduler``, the output placeholders of the steps in flight: added when a
     step that samples for a request is scheduled, resolved when that step's output is applied."""
 
-    def _build_output(self, step: _Step) -> SchedulerOutput:
+    def _build_output(self, step: Step) -> SchedulerOutput:
         out = super()._build_output(step)
         sched_reqs = out.scheduled_requests
         placeholders = out.placeholder_req_ids
