@@ -5,7 +5,7 @@ neither a KV block nor a swap slot."""
 from __future__ import annotations
 
 from exactness_helpers import make_engine, random_prompts
-from llmtower.core.kv_cache.swap_layout import PLAIN
+from llmtower.core.swap_layout import PLAIN
 from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
+from llmtower.core.swap_layout import PLAIN, SwapLayout
 
 Policy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap"]

@@ -64,7 +64,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The pairs are (block, swap slot): a block takes one slot, or, where swaps may be
-    # compressed, several consecutive pairs (core/kv_cache/swap_layout.py). Device blocks whose
+    # compressed, several consecutive pairs (core/swap_layout.py). Device blocks whose
     # swap copy is int8 are listed here: quantized on the way out, dequantized on the way in.
     swap_out_compressed: list[int] = field(default_factory=list)
     swap_in_compressed: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
-from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout
+from llmtower.core.swap_layout import PLAIN, SwapLayout
 from llmtower.engine.vllm_compat import check_vllm_settings, log_ignored_vllm_settings
 from llmtower.spec_decode.config import SpeculativeConfig
 

@@ -1,5 +1,5 @@
 """A CPU swap space cut into slots, holding swapped-out KV blocks either as they are in the
-cache or compressed to int8 (``core/kv_cache/swap_layout.py`` says how many slots each takes).
+cache or compressed to int8 (``core/swap_layout.py`` says how many slots each takes).
 
     arenas[layer] : int64 [num_slots, slot_bytes / 8]   (bytes, copied as 8-byte words)
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmtower.core.kv_cache.swap_layout import PLAIN, SwapLayout, plan_swap_layout
+from llmtower.core.swap_layout import PLAIN, SwapLayout, plan_swap_layout
 from llmtower.executor.kv_quant import bytes_per_token_head, dequantize, quantize, row_width
 from llmtower.models.config import ModelConfig
 

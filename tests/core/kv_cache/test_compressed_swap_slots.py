@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llmtower.core.config import CacheConfig
 from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager
-from llmtower.core.kv_cache.swap_layout import SwapLayout
+from llmtower.core.swap_layout import SwapLayout
 from llmtower.core.request import Request
 from llmtower.core.sampling_params import SamplingParams
 

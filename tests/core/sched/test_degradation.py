@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.errors import QueueFullError
-from llmtower.core.kv_cache.swap_layout import SwapLayout
+from llmtower.core.swap_layout import SwapLayout
 from llmtower.core.request import Request
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.core.sched.degradation import DegradationConfig, DegradationController
