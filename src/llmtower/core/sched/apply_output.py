@@ -35,6 +35,7 @@ class ApplyOutputMixin(GrammarMixin):
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.spec_token_ids
         sched_reqs = scheduler_output.scheduled_requests
+        append_tokens = self._append_tokens  # bound once: this loop runs per request per step
         for i, rid in enumerate(model_runner_output.req_ids):
             # The request object this step scheduled: an id it did not schedule is ignored,
             # and so is a request that finished or was aborted since (its id may already
@@ -53,9 +54,8 @@ class ApplyOutputMixin(GrammarMixin):
                 req.prompt_logprobs = (req.prompt_logprobs or []) + prompt_lps[rid]
             if not sampled:
                 continue  # a prefill chunk that has not reached the end of the prompt
-            new_tokens, status = self._append_tokens(req, sampled)
-            out = self._new_output(req, new_tokens, logprobs[i] if logprobs is not None else None,
-                                   now)
+            new_tokens, status = append_tokens(req, sampled)
+            out = _new_output(req, new_tokens, logprobs[i] if logprobs is not None else None, now)
             if status is not None:
                 self._stop(req, status, out, running, stopped)
             elif proposed is not None and running and req.structured_output is None:
@@ -85,27 +85,6 @@ class ApplyOutputMixin(GrammarMixin):
             self.waiting.grow(req, len(new_tokens))
         return new_tokens, status
 
-    @staticmethod
-    def _new_output(req: Request, new_tokens: list[int], logprobs: list[LogprobsEntry] | None,
-                    now: float) -> EngineCoreOutput:
-        """The client's output for ``new_tokens``: logprobs, prompt logprobs, timings."""
-        times = req.times
-        out = EngineCoreOutput(req.request_id, new_tokens,
-                               num_cached_tokens=max(0, req.num_cached_tokens),
-                               num_preemptions=req.num_preemptions)
-        if not times.first_token:
-            times.first_token = now
-            out.queue_time = times.queue_time
-        times.last_token = now
-        if logprobs:
-            out.new_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
-                                for e in logprobs[:len(new_tokens)]]
-        if req.prompt_logprobs is not None:
-            out.new_prompt_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
-                                       for e in req.prompt_logprobs]
-            req.prompt_logprobs = None
-        return out
-
     def _stop(self, req: Request, status: RequestStatus, out: EngineCoreOutput, running: bool,
               stopped: list[Request]) -> None:
         """End ``req`` with ``status`` now; a running one leaves ``running`` after the loop
@@ -120,3 +99,24 @@ class ApplyOutputMixin(GrammarMixin):
         out.finish_reason = status.finish_reason
         out.stop_reason = req.stop_reason
         out.metrics = request_metrics(req)
+
+
+def _new_output(req: Request, new_tokens: list[int], logprobs: list[LogprobsEntry] | None,
+                now: float) -> EngineCoreOutput:
+    """The client's output for ``new_tokens``: logprobs, prompt logprobs, timings."""
+    times = req.times
+    out = EngineCoreOutput(req.request_id, new_tokens,
+                           num_cached_tokens=max(0, req.num_cached_tokens),
+                           num_preemptions=req.num_preemptions)
+    if not times.first_token:
+        times.first_token = now
+        out.queue_time = times.queue_time
+    times.last_token = now
+    if logprobs:
+        out.new_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
+                            for e in logprobs[:len(new_tokens)]]
+    if req.prompt_logprobs is not None:
+        out.new_prompt_logprobs = [(e.token_id, e.logprob, e.rank, e.top)
+                                   for e in req.prompt_logprobs]
+        req.prompt_logprobs = None
+    return out
