@@ -35,12 +35,12 @@ import msgspec
 
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.distributed.dp_group import DPEvent, DPStatus
-from llmtower.distributed.remote_client import RemoteEngineClient
 from llmtower.distributed.routing import EngineLoad, Router
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import HEARTBEAT_S, EngineFactory, default_engine_factory
+from llmtower.engine.remote_client import RemoteEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DPEngineCoreClient:
             raise ValueError(f"data_parallel_size={n}: use EngineCoreClient for one engine")
         if engine_args.headless:
             raise ValueError("a --headless host runs no API server: use "
-                             "llmtower.distributed.headless.run_headless")
+                             "llmtower.engine.headless.run_headless")
         self.engine_args = engine_args
         self.topology = engine_args.topology()
         self.engine_factory = engine_factory
