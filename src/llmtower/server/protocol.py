@@ -16,10 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 import llmtower
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.server.structured_output_fields import structured_outputs_of
 from llmtower.server.text_checks import find_lone_surrogate
 from llmtower.server.tool_parsers.base import template_tool_call
 from llmtower.server.unknown_fields import reject_unknown_fields
-from llmtower.structured_output.request_fields import structured_outputs_of
 
 
 def _is_int(text: str) -> bool:
