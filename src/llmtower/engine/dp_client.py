@@ -309,6 +309,25 @@ class DPEngineCoreClient:
             self.clients[r].call_utility(method, *args, result_type=result_type,
                                          timeout_s=timeout_s) for r in live)))
 
+    async def call_utility_on(self, engine_index: int, method: str, *args: Any,
+                              result_type: Any = Any, timeout_s: float | None = None) -> Any:
+        """One engine's answer alone (e.g. its KV cache snapshot)."""
+        n = len(self.clients)
+        if not 0 <= engine_index < n:
+            raise ValueError(f"engine_id={engine_index} does not exist: this server runs "
+                             f"{n} engine(s), 0..{n - 1}")
+        return await self.clients[engine_index].call_utility(
+            method, *args, result_type=result_type, timeout_s=timeout_s)
+
+    async def data_parallel_view(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Health, the router's counters, wave starts and each live engine's ``DPStatus``."""
+        statuses = await self.call_utility_each("dp_status", result_type=DPStatus,
+                                                timeout_s=timeout_s)
+        return {**self.health(), "routed": self.router.num_routed,
+                "prefix_affinity_hits": self.router.num_affinity_hits,
+                "wave_starts": self.num_wave_starts,
+                "engines": [dataclasses.asdict(s) for s in statuses]}
+
     # ------------------------------------------------------------------ receive
     async def get_output(self) -> EngineCoreOutputs | RequestError:
         item = await self._outputs.get()

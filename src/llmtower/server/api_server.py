@@ -185,9 +185,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if llm.is_dead:
             return error_response(503, f"the engine is not running: {llm.dead_reason}",
                                   code="engine_dead")
-        health = getattr(llm.client, "health", None)  # data parallel: which ranks serve
+        health = llm.client.health()  # data parallel: which ranks serve
         if health is not None:
-            return JSONResponse(health())
+            return JSONResponse(health)
         return Response(status_code=200)
 
     @app.get("/ready")
