@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 
-from llmtower.distributed.headless import run_headless
+from llmtower.engine.headless import run_headless
 from llmtower.engine.args import EngineArgs
 from tests.engine.fake_engine_factory import make_slow_fake_engine
 

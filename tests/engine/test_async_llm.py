@@ -220,7 +220,7 @@ def test_one_registry_holds_each_request_in_flight_and_nothing_after(tokenizer):
                                                               ignore_eos=True), "reg")
         await anext(stream)
         op = llm.output_processor
-        parent = op.get_parent("reg")
+        parent = op.parents.get("reg")
         in_flight = (parent is not None and op.parent_of("reg-1") is parent
                      and parent.client_state.engine_ids == ["reg-0", "reg-1"]
                      and llm.num_requests_in_flight == 1)

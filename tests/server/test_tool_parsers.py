@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmtower.server.protocol import ChatCompletionRequest
+from llmtower.server.protocol_chat import ChatCompletionRequest
 from llmtower.server.tool_parsers import get_tool_parser
 from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolSettings,
                                                       plan_tools)
@@ -110,5 +110,5 @@ def test_tool_messages_reach_the_template():
         "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}"
         "{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}{% endif %}"
         "{% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %}{{ m.content }}{% endfor %}")
-    assert template.render(messages=req.conversation()) == \
+    assert template.render(messages=[m.for_template() for m in req.messages]) == \
         "[user]Weather in Paris?[assistant]get_weather(Paris)[tool]<call_1>18C, sunny"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from llmtower.cli.admin_http import AdminError, add_server_args, post
 
@@ -29,32 +30,30 @@ def register(sub) -> None:
 
 
 def run_defrag(args: argparse.Namespace) -> int:
-    try:
-        res = post(args.url, "defrag", args.api_key, args.timeout, {"engine_id": args.engine_id})
-    except AdminError as e:
-        print(f"llmtower ctl defrag: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(res))
-        return 0
-    for r in res["engines"]:
-        print(f"engine {r['engine_index']}: {r['num_moves']} block moves; fragmentation "
-              f"{r['fragmentation_before']:.3f} -> {r['fragmentation_after']:.3f} "
-              f"(free space {r['free_fragmentation_before']:.3f} -> "
-              f"{r['free_fragmentation_after']:.3f}, block tables "
-              f"{r['table_fragmentation_before']:.3f} -> {r['table_fragmentation_after']:.3f})")
-    return 0
+    def line(r: dict) -> str:
+        return (f"engine {r['engine_index']}: {r['num_moves']} block moves; fragmentation "
+                f"{r['fragmentation_before']:.3f} -> {r['fragmentation_after']:.3f} "
+                f"(free space {r['free_fragmentation_before']:.3f} -> "
+                f"{r['free_fragmentation_after']:.3f}, block tables "
+                f"{r['table_fragmentation_before']:.3f} -> {r['table_fragmentation_after']:.3f})")
+    return _run(args, "defrag", line)
 
 
 def run_unpin(args: argparse.Namespace) -> int:
+    return _run(args, "unpin",
+                lambda r: f"engine {r['engine_index']}: {r['num_unpinned']} blocks unpinned")
+
+
+def _run(args: argparse.Namespace, action: str, line: Callable[[dict], str]) -> int:
+    """POST the action; print the answer as JSON (--json) or one line per engine."""
     try:
-        res = post(args.url, "unpin", args.api_key, args.timeout, {"engine_id": args.engine_id})
+        res = post(args.url, action, args.api_key, args.timeout, {"engine_id": args.engine_id})
     except AdminError as e:
-        print(f"llmtower ctl unpin: error: {e}", file=sys.stderr)
+        print(f"llmtower ctl {action}: error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(res))
         return 0
     for r in res["engines"]:
-        print(f"engine {r['engine_index']}: {r['num_unpinned']} blocks unpinned")
+        print(line(r))
     return 0

@@ -15,9 +15,8 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from llmtower.cli.admin_http import DEFAULT_URL, AdminError, get
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
-
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class DiagError(Exception):
@@ -58,22 +57,11 @@ def register(sub) -> None:
 
 def fetch_snapshots(url: str, api_key: str | None, engine_id: str,
                     timeout_s: float = 15.0) -> list[KVCacheSnapshot]:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/admin/kv_cache", params={"engine_id": engine_id},
-                      headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise DiagError(f"cannot reach the server at {url}: {e}; is `llmtower serve` "
-                        "running there (--url)?") from None
-    if r.status_code != 200:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):  # not an OpenAI error envelope
-            message = r.text[:200]
-        raise DiagError(f"the server answered {r.status_code}: {message}")
-    return decode_snapshots(r.content)
+        data = get(url, "kv_cache", api_key, timeout_s, {"engine_id": engine_id})
+    except AdminError as e:
+        raise DiagError(str(e)) from None
+    return decode_snapshots(data)
 
 
 def decode_snapshots(data: bytes) -> list[KVCacheSnapshot]:

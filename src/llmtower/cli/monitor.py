@@ -26,10 +26,10 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from llmtower.cli.admin_http import DEFAULT_URL
 from llmtower.metrics.names import SEED_METRICS, SeedMetric, resolve
 from llmtower.metrics.scrape import Scrape, interval_quantile, parse_metrics, rate
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 40  # samples kept for the sparklines
 TOTAL = "total"

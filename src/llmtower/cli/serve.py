@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_model(args, DEFAULT_MODEL)
     if args.headless:  # this host runs engines only; the head serves the API
-        from llmtower.distributed.headless import run_headless
+        from llmtower.engine.headless import run_headless
         return run_headless(EngineArgs.from_cli_args(args))
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               request_timeout=args.request_timeout,

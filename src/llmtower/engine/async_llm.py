@@ -428,12 +428,11 @@ class AsyncLLM:
                  if rid == request_id or rid.startswith(request_id + "-")]
         if not found:
             raise KeyError(request_id)
-        clients = getattr(self.client, "clients", None)
         n = 0
         for tracked in found:
-            target = clients[self._engine_of(tracked.engine_ids[0])] if clients else self.client
-            n += await target.call_utility("update_priority", tracked.engine_ids, priority,
-                                           result_type=int, timeout_s=timeout_s)
+            n += await self.client.call_utility_on(
+                self._engine_of(tracked.engine_ids[0]), "update_priority", tracked.engine_ids,
+                priority, result_type=int, timeout_s=timeout_s)
         if not n:
             raise KeyError(request_id)  # it finished while the call was on its way
         return n
@@ -449,18 +448,23 @@ class AsyncLLM:
     def num_engines(self) -> int:
         return self.engine_args.data_parallel_size
 
+    def engine_indices(self, engine_id: int | None) -> list[int]:
+        """``[engine_id]``, or every engine's index when None; ValueError for an engine that
+        does not exist."""
+        n = self.num_engines
+        if engine_id is not None and not 0 <= engine_id < n:
+            raise ValueError(f"engine_id={engine_id} does not exist: this server runs "
+                             f"{n} engine(s), 0..{n - 1}")
+        return list(range(n)) if engine_id is None else [engine_id]
+
     async def kv_cache_snapshots(self, engine_id: int | None = None,
                                  timeout_s: float = 10.0) -> list[KVCacheSnapshot]:
         """The KV cache of engine ``engine_id`` (every engine when None), one snapshot each,
         taken between two steps. Raises ValueError for an engine that does not exist."""
-        clients = getattr(self.client, "clients", None) or [self.client]
-        if engine_id is not None and not 0 <= engine_id < len(clients):
-            raise ValueError(f"engine_id={engine_id} does not exist: this server runs "
-                             f"{len(clients)} engine(s), 0..{len(clients) - 1}")
-        indices = list(range(len(clients))) if engine_id is None else [engine_id]
+        indices = self.engine_indices(engine_id)
         snapshots = await asyncio.gather(*(
-            clients[i].call_utility("kv_cache_snapshot", result_type=KVCacheSnapshot,
-                                    timeout_s=timeout_s) for i in indices))
+            self.client.call_utility_on(i, "kv_cache_snapshot", result_type=KVCacheSnapshot,
+                                        timeout_s=timeout_s) for i in indices))
         for i, snap in zip(indices, snapshots):
             snap.engine_index = i  # an engine does not know its data-parallel index
         return list(snapshots)

@@ -256,9 +256,27 @@ class EngineCoreClient:
             reason += f"; engine error: {self._engine_error.splitlines()[0]}"
         self._mark_dead(reason)
 
+    async def call_utility_on(self, engine_index: int, method: str, *args: Any,
+                              result_type: Any = Any, timeout_s: float | None = None) -> Any:
+        """EngineClient.call_utility_on: there is one engine, index 0."""
+        if engine_index != 0:
+            raise ValueError(f"engine_id={engine_index} does not exist: this server runs "
+                             "1 engine(s), 0..0")
+        return await self.call_utility(method, *args, result_type=result_type,
+                                       timeout_s=timeout_s)
+
     def engine_of(self, request_id: str) -> int | None:  # noqa: ARG002 - EngineClient's signature
         """EngineClient.engine_of: one engine serves everything (rank 0)."""
         return 0
+
+    def health(self) -> dict[str, Any] | None:
+        """EngineClient.health: one engine, nothing to add to "alive"."""
+        return None
+
+    async def data_parallel_view(self, timeout_s: float | None = None  # noqa: ARG002
+                                 ) -> dict[str, Any] | None:
+        """EngineClient.data_parallel_view: one engine is not data parallel."""
+        return None
 
     def mark_dead(self, reason: str) -> None:
         """EngineClient.mark_dead: the front end declares the engine unusable."""

@@ -35,12 +35,12 @@ import msgspec
 
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.distributed.dp_group import DPEvent, DPStatus
-from llmtower.distributed.remote_client import RemoteEngineClient
 from llmtower.distributed.routing import EngineLoad, Router
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from llmtower.engine.core_messages import EngineReady, PingResult, RequestError
 from llmtower.engine.core_proc import HEARTBEAT_S, EngineFactory, default_engine_factory
+from llmtower.engine.remote_client import RemoteEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DPEngineCoreClient:
             raise ValueError(f"data_parallel_size={n}: use EngineCoreClient for one engine")
         if engine_args.headless:
             raise ValueError("a --headless host runs no API server: use "
-                             "llmtower.distributed.headless.run_headless")
+                             "llmtower.engine.headless.run_headless")
         self.engine_args = engine_args
         self.topology = engine_args.topology()
         self.engine_factory = engine_factory
@@ -308,6 +308,25 @@ class DPEngineCoreClient:
         return list(await asyncio.gather(*(
             self.clients[r].call_utility(method, *args, result_type=result_type,
                                          timeout_s=timeout_s) for r in live)))
+
+    async def call_utility_on(self, engine_index: int, method: str, *args: Any,
+                              result_type: Any = Any, timeout_s: float | None = None) -> Any:
+        """One engine's answer alone (e.g. its KV cache snapshot)."""
+        n = len(self.clients)
+        if not 0 <= engine_index < n:
+            raise ValueError(f"engine_id={engine_index} does not exist: this server runs "
+                             f"{n} engine(s), 0..{n - 1}")
+        return await self.clients[engine_index].call_utility(
+            method, *args, result_type=result_type, timeout_s=timeout_s)
+
+    async def data_parallel_view(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Health, the router's counters, wave starts and each live engine's ``DPStatus``."""
+        statuses = await self.call_utility_each("dp_status", result_type=DPStatus,
+                                                timeout_s=timeout_s)
+        return {**self.health(), "routed": self.router.num_routed,
+                "prefix_affinity_hits": self.router.num_affinity_hits,
+                "wave_starts": self.num_wave_starts,
+                "engines": [dataclasses.asdict(s) for s in statuses]}
 
     # ------------------------------------------------------------------ receive
     async def get_output(self) -> EngineCoreOutputs | RequestError:

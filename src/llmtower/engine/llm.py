@@ -1,20 +1,22 @@
 """The offline API: ``LLM(model=...).generate(prompts, sampling_params)``.
 
-``LLM`` runs an ``EngineCore`` in this process (no sockets): it tokenizes, hands the requests to
-the engine, steps it until every request has finished, and returns one ``RequestOutput`` per
-prompt, in input order, however the scheduler interleaved them.
+``LLM`` runs an ``EngineCore`` in this process (no sockets), through the synchronous
+``InprocEngineClient``: it tokenizes, hands the requests to the engine, steps it until every
+request has finished, and returns one ``RequestOutput`` per prompt, in input order, however the
+scheduler interleaved them.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from llmtower.core.kv_cache.relocator import DefragResult
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import DEFAULT_MODEL, EngineArgs
+from llmtower.engine.inproc_client import InprocEngineClient
 from llmtower.engine.input_processor import (
     Conversation,
     InputProcessor,
@@ -26,10 +28,13 @@ from llmtower.engine.preload import PreloadStatus
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.engine.vllm_compat import log_ignored_vllm_settings
 
+if TYPE_CHECKING:  # the engine core pulls in torch and the executor: imported when built
+    from llmtower.engine.core import EngineCore
+
 
 class LLM:
-    """Owns an in-process ``EngineCore``, the tokenizer and the ``OutputProcessor``, and runs
-    batches of prompts to completion.
+    """Owns the in-process engine client (over its ``EngineCore``), the tokenizer and the
+    ``OutputProcessor``, and runs batches of prompts to completion.
 
     ``LLM(model=None, **engine_args)``: ``model`` is a Hugging Face directory, a .gguf file or
     'smollm2-135m-instruct' (the default); ``engine_args`` are ``EngineArgs`` fields
@@ -66,12 +71,12 @@ class LLM:
             max_logprobs=args.max_logprobs))
 
     @classmethod
-    def from_engine_core(cls, engine_core: Any, tokenizer: Any,
+    def from_engine_core(cls, engine_core: EngineCore, tokenizer: Any,
                          eos_token_ids: Sequence[int] | None = None) -> LLM:
         """An ``LLM`` over an engine core built elsewhere (tests, benchmarks, other executors).
         ``eos_token_ids`` default to the tokenizer's EOS token."""
         llm = cls.__new__(cls)
-        info = getattr(engine_core, "model_info", None)
+        info = engine_core.model_info
         max_model_len = (info.max_model_len if info is not None
                          else engine_core.scheduler.config.max_model_len)
         llm._setup(engine_core, InputProcessor(
@@ -79,13 +84,18 @@ class LLM:
             eos_token_ids=list(eos_token_ids or [])))
         return llm
 
-    def _setup(self, engine_core: Any, input_processor: InputProcessor) -> None:
-        self.engine_core = engine_core
+    def _setup(self, engine_core: EngineCore, input_processor: InputProcessor) -> None:
+        self.client = InprocEngineClient(engine_core)
         self.input_processor = input_processor
         self.tokenizer = input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self._busy = False
+
+    @property
+    def engine_core(self) -> EngineCore:
+        """The engine this ``LLM`` drives (for tools and tests that look inside it)."""
+        return self.client.engine_core
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self) -> Any:
@@ -140,13 +150,13 @@ class LLM:
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """What the KV cache holds now: every block's state, the block tables, fragmentation
         and the prefix cache (``llmtower diag memory`` draws it; see docs/operations.md)."""
-        return self.engine_core.kv_cache_snapshot()
+        return self.client.call_utility("kv_cache_snapshot", result_type=KVCacheSnapshot)
 
     def defragment(self) -> DefragResult:
         """Move KV blocks so that each request's block table and the free space are one run
         each (see docs/memory.md); answers with the moves made and fragmentation before/after."""
         self._check_idle()
-        return self.engine_core.defragment()
+        return self.client.call_utility("defragment", result_type=DefragResult)
 
     def preload(self, prompts: str | list[str] | list[list[int]] | list[Conversation],
                 pin: bool = False) -> PreloadStatus:
@@ -160,15 +170,16 @@ class LLM:
                    for c in prompts]
         else:
             ids = [t for _, t in self._tokenize_prompts(prompts)]
-        st = self.engine_core.preload(ids, pin)
+        st = self.client.call_utility("preload", ids, pin, result_type=PreloadStatus)
         while not st.finished:
-            self.engine_core.step()
-            st = self.engine_core.preload_status(st.batch_id)
+            self.client.get_output()
+            st = self.client.call_utility("preload_status", st.batch_id,
+                                          result_type=PreloadStatus)
         return st
 
     def unpin(self) -> int:
         """Release every pinned prefix block; returns how many there were."""
-        return self.engine_core.unpin()
+        return self.client.call_utility("unpin", result_type=int)
 
     def set_priority(self, request_id: str, priority: int) -> None:
         """Change the priority of a request in flight (e.g. from a ``stream()`` loop, with the
@@ -176,11 +187,12 @@ class LLM:
         unknown or finished request."""
         parent = self.output_processor.parents.get(request_id)
         engine_ids = [st.request_id for st in parent.children] if parent is not None else []
-        if not engine_ids or not self.engine_core.update_priority(engine_ids, priority):
+        if not engine_ids or not self.client.call_utility("update_priority", engine_ids, priority,
+                                                          result_type=int):
             raise KeyError(f"request {request_id!r} is not in flight (unknown or finished)")
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self.client.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -234,27 +246,27 @@ class LLM:
                 for req in self.output_processor.add_request(
                         rid, text, ids, sp, output_kind=kind, eos_token_id=ip.eos_token_id,
                         priority=prio, tenant=tenant):
-                    self.engine_core.add_request(req)
+                    self.client.add_request(req)
         except BaseException:
-            self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+            self.client.abort_requests(self.output_processor.abort_requests(request_ids))
             raise
         return request_ids
 
     def _step(self) -> list[RequestOutput]:
-        if not self.engine_core.has_unfinished_requests():
+        if not self.client.has_unfinished_requests():
             raise RuntimeError("the engine has no requests left but some never finished: "
                                f"{list(self.output_processor.parents)[:5]}")
-        outputs = self.engine_core.step()
+        outputs = self.client.get_output()
         if outputs.request_errors:  # failed after admission (a grammar): raise like at add
             raise ValueError(outputs.request_errors[0][1])
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
-            self.engine_core.abort_requests(processed.reqs_to_abort)
+            self.client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
     def _abort_all(self) -> None:
         ids = list(self.output_processor.parents)
-        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+        self.client.abort_requests(self.output_processor.abort_requests(ids))
 
     def _run(self, items: list[PromptItem],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,

@@ -5,45 +5,40 @@ flight keep running."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmtower.core.kv_cache.relocator import DefragResult
 from llmtower.engine.preload import PreloadError, PreloadStatus
 from llmtower.engine.preload_file import PreloadItem
 
+if TYPE_CHECKING:
+    from llmtower.engine.async_llm import AsyncLLM
+
 # How often a preload asks its engines how far they are.
 PRELOAD_POLL_S = 0.05
 
 
-def engine_clients(llm: Any, engine_id: int | None) -> list[tuple[int, Any]]:
-    """(index, client) of engine ``engine_id``, or of every engine when None."""
-    clients = getattr(llm.client, "clients", None) or [llm.client]
-    if engine_id is not None and not 0 <= engine_id < len(clients):
-        raise ValueError(f"engine_id={engine_id} does not exist: this server runs "
-                         f"{len(clients)} engine(s), 0..{len(clients) - 1}")
-    indices = range(len(clients)) if engine_id is None else [engine_id]
-    return [(i, clients[i]) for i in indices]
-
-
-async def defragment(llm: Any, engine_id: int | None = None,
+async def defragment(llm: AsyncLLM, engine_id: int | None = None,
                      timeout_s: float = 60.0) -> list[DefragResult]:
     """A full KV defragmentation on each chosen engine."""
-    pairs = engine_clients(llm, engine_id)
-    results = await asyncio.gather(*(c.call_utility("defragment", result_type=DefragResult,
-                                                    timeout_s=timeout_s) for _, c in pairs))
-    for (i, _), r in zip(pairs, results):
+    indices = llm.engine_indices(engine_id)
+    results = await asyncio.gather(*(
+        llm.client.call_utility_on(i, "defragment", result_type=DefragResult,
+                                   timeout_s=timeout_s) for i in indices))
+    for i, r in zip(indices, results):
         r.engine_index = i
     return list(results)
 
 
-async def unpin(llm: Any, engine_id: int | None = None, timeout_s: float = 10.0) -> list[int]:
+async def unpin(llm: AsyncLLM, engine_id: int | None = None,
+                timeout_s: float = 10.0) -> list[int]:
     """Release every pinned prefix block; the number released per engine."""
-    pairs = engine_clients(llm, engine_id)
-    return list(await asyncio.gather(*(c.call_utility("unpin", result_type=int,
-                                                      timeout_s=timeout_s) for _, c in pairs)))
+    return list(await asyncio.gather(*(
+        llm.client.call_utility_on(i, "unpin", result_type=int, timeout_s=timeout_s)
+        for i in llm.engine_indices(engine_id))))
 
 
-async def tokenize_items(llm: Any, items: list[PreloadItem]) -> tuple[list[list[int]], list[int],
+async def tokenize_items(llm: AsyncLLM, items: list[PreloadItem]) -> tuple[list[list[int]], list[int],
                                                                       list[PreloadError]]:
     """Token ids of each item (chat messages through the template); items that cannot be
     rendered become errors. Returns (token ids, their item indices, errors)."""
@@ -65,30 +60,31 @@ async def tokenize_items(llm: Any, items: list[PreloadItem]) -> tuple[list[list[
     return prompts, where, errors
 
 
-async def preload(llm: Any, items: list[PreloadItem], pin: bool = False,
+async def preload(llm: AsyncLLM, items: list[PreloadItem], pin: bool = False,
                   engine_id: int | None = None, cache_salt: str | None = None,
                   timeout_s: float = 600.0) -> tuple[list[PreloadStatus], list[PreloadError]]:
     """Compute the KV of ``items`` into the prefix cache of each chosen engine and wait until
     it is there. Returns each engine's status and the items that failed (by item index),
     whether in tokenization or in the engine."""
     prompts, where, errors = await tokenize_items(llm, items)
-    pairs = engine_clients(llm, engine_id)
+    indices = llm.engine_indices(engine_id)
     if not prompts:
-        return [PreloadStatus(engine_index=i) for i, _ in pairs], errors
-    started = await asyncio.gather(*(c.call_utility("preload", prompts, pin, cache_salt,
-                                                    result_type=PreloadStatus, timeout_s=10.0)
-                                     for _, c in pairs))
+        return [PreloadStatus(engine_index=i) for i in indices], errors
+    started = await asyncio.gather(*(
+        llm.client.call_utility_on(i, "preload", prompts, pin, cache_salt,
+                                   result_type=PreloadStatus, timeout_s=10.0)
+        for i in indices))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     statuses: list[PreloadStatus] = []
-    for (i, c), st in zip(pairs, started):
+    for i, st in zip(indices, started):
         while not st.finished:
             if loop.time() > deadline:
                 raise asyncio.TimeoutError(f"engine {i} did not finish the preload within "
                                            f"{timeout_s:g} s")
             await asyncio.sleep(PRELOAD_POLL_S)
-            st = await c.call_utility("preload_status", st.batch_id, result_type=PreloadStatus,
-                                      timeout_s=10.0)
+            st = await llm.client.call_utility_on(i, "preload_status", st.batch_id,
+                                                  result_type=PreloadStatus, timeout_s=10.0)
         st.engine_index = i
         statuses.append(st)
     seen = {e.index for e in errors}

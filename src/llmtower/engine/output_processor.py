@@ -123,10 +123,6 @@ class OutputProcessor:
             self.request_states[st.request_id] = st
         return engine_requests
 
-    def get_parent(self, request_id: str) -> ParentRequest | None:
-        """The client request ``request_id`` while it is in flight."""
-        return self.parents.get(request_id)
-
     def parent_of(self, engine_request_id: str) -> ParentRequest | None:
         """The client request an engine request (one sample) belongs to, while in flight."""
         st = self.request_states.get(engine_request_id)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: the FastAPI app factory and the uvicorn runner.
 
-``build_app(llm, settings)`` wires the routes to one started ``AsyncLLM``; ``serve(args)``
-starts the engine, then uvicorn, in one event loop, and shuts everything down on exit.
+``build_app(llm, settings)`` assembles the middleware and the routers (each endpoint's router
+lives beside its handler: ``serving_*.py``, ``admin.py``) over one started ``AsyncLLM``;
+``serve(args)`` starts the engine, then uvicorn, in one event loop, and shuts everything down on
+exit.
 """
 from __future__ import annotations
 
@@ -12,26 +14,23 @@ import logging
 import socket
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 
 import llmtower
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.async_llm import AsyncLLM
-from llmtower.engine.core_client import EngineDeadError, EngineStartupError
+from llmtower.engine.core_client import EngineStartupError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
 from llmtower.metrics.http import HTTPMetricsMiddleware
 from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.admin_memory import preload_at_start
-from llmtower.server.errors import APIError, error_response, install_exception_handlers
+from llmtower.server.errors import install_exception_handlers
 from llmtower.server.frontend_options import (
     FrontendOptions,
     fastapi_kwargs,
-    force_usage,
     install_frontend_middleware,
     uvicorn_kwargs,
 )
@@ -43,27 +42,18 @@ from llmtower.server.middleware import (
     HostAllowListMiddleware,
     RequestIdHeaderMiddleware,
 )
-from llmtower.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    continue_final_kwargs,
-)
-from llmtower.server.serving_chat import OpenAIServingChat
 from llmtower.server.reasoning import get_reasoning_parser
-from llmtower.server.tool_parsers.tool_choice import ToolSettings, plan_tools
-from llmtower.server.serving_completions import OpenAIServingCompletion
+from llmtower.server.serving_chat import OpenAIServingChat, build_chat_router
+from llmtower.server.serving_completions import OpenAIServingCompletion, build_completions_router
+from llmtower.server.serving_models import build_models_router
 from llmtower.server.serving_probes import build_probe_router
 from llmtower.server.serving_responses import build_responses_router
+from llmtower.server.serving_tokenization import build_tokenization_router
 from llmtower.server.shutdown import DrainMiddleware, DrainState, GracefulShutdown
+from llmtower.server.tool_parsers.tool_choice import ToolSettings
 
 logger = logging.getLogger(__name__)
 
-# How long /ready waits for the engine loop to answer between two steps.
-READY_TIMEOUT_S = 5.0
 # An engine that got a SIGTERM with this server (a signal to the whole process group) waits
 # for the drain (--shutdown-timeout) and the stop after it, plus this, before it exits alone.
 ENGINE_STOP_MARGIN_S = 15.0
@@ -120,12 +110,33 @@ class ServerSettings:
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app over a started ``AsyncLLM``."""
+    """The FastAPI app over a started ``AsyncLLM``: its middleware, then its routers."""
     # /docs: FastAPI's OpenAPI page over the request models (no key needed to read it).
     app = FastAPI(title="llmtower", version=llmtower.__version__,
                   **fastapi_kwargs(settings.frontend))
     app.state.llm = llm
     install_exception_handlers(app)
+    install_middleware(app, llm, settings)
+    limits = RequestLimits.for_model(
+        llm.max_model_len, max_n=settings.max_n,
+        trust_request_chat_template=settings.trust_request_chat_template)
+    completions = OpenAIServingCompletion(llm, limits)
+    chat = OpenAIServingChat(llm, limits, ToolSettings(settings.enable_auto_tool_choice,
+                                                        settings.tool_call_parser),
+                             get_reasoning_parser(settings.reasoning_parser)
+                             if settings.reasoning_parser else None)
+    app.include_router(build_admin_router(llm))
+    app.include_router(build_responses_router(chat))
+    app.include_router(build_probe_router(llm))
+    app.include_router(build_completions_router(completions, settings.frontend))
+    app.include_router(build_chat_router(chat, settings.frontend))
+    app.include_router(build_models_router(completions, settings.expose_model_path))
+    app.include_router(build_tokenization_router(chat))
+    return app
+
+
+def install_middleware(app: FastAPI, llm: AsyncLLM, settings: ServerSettings) -> None:
+    """The middleware stack, innermost first (each one added wraps the ones before it)."""
     # Innermost: counts what is in flight for the graceful shutdown, refuses once draining.
     app.state.drain = DrainState()
     app.add_middleware(DrainMiddleware, state=app.state.drain)
@@ -143,113 +154,6 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     if settings.enable_log_requests:
         app.add_middleware(AccessLogMiddleware, max_log_len=settings.max_log_len)
     install_frontend_middleware(app, settings.frontend)  # last: CORS is outermost
-    limits = RequestLimits.for_model(
-        llm.max_model_len, max_n=settings.max_n,
-        trust_request_chat_template=settings.trust_request_chat_template)
-    completions = OpenAIServingCompletion(llm, limits)
-    chat = OpenAIServingChat(llm, limits, ToolSettings(settings.enable_auto_tool_choice,
-                                                        settings.tool_call_parser),
-                             get_reasoning_parser(settings.reasoning_parser)
-                             if settings.reasoning_parser else None)
-    app.include_router(build_admin_router(llm))
-    app.include_router(build_responses_router(chat))
-    app.include_router(build_probe_router(llm))
-
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await completions.create_completion(force_usage(body, settings.frontend), raw)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat.create_chat_completion(force_usage(body, settings.frontend), raw)
-
-    def model_card(name: str) -> ModelCard:
-        ready = llm.ready
-        # The model's absolute path tells a caller about the host: only if asked.
-        return ModelCard(id=name, root=(ready.model_path if ready and settings.expose_model_path
-                                        else name),
-                         max_model_len=llm.max_model_len)
-
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in llm.served_model_names])
-
-    # OpenAI's GET /v1/models/{model} (the SDK's models.retrieve); ids may hold slashes.
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> ModelCard:
-        completions.check_model(model)
-        return model_card(model)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if llm.is_dead:
-            return error_response(503, f"the engine is not running: {llm.dead_reason}",
-                                  code="engine_dead")
-        health = getattr(llm.client, "health", None)  # data parallel: which ranks serve
-        if health is not None:
-            return JSONResponse(health())
-        return Response(status_code=200)
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        try:
-            ping = await llm.ping(timeout_s=READY_TIMEOUT_S)
-        except EngineDeadError as e:
-            return error_response(503, f"the engine is not running: {e}", code="engine_dead")
-        except asyncio.TimeoutError:
-            return error_response(503, f"the engine loop did not answer within "
-                                  f"{READY_TIMEOUT_S:g} s", code="engine_busy")
-        return JSONResponse({"status": "ready", "num_steps": ping.num_steps,
-                             "num_unfinished_requests": ping.num_unfinished_requests})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-        return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": llmtower.__version__}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        completions.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("send exactly one of prompt or messages", 400)
-        if body.messages is not None:
-            conversation = [m.for_template() for m in body.messages]  # as chat renders them
-            limits.check_prompt_chars(sum(len(m["content"]) for m in conversation),
-                                      "messages")
-            # The prompt /v1/chat/completions would render: tools and template variables too.
-            template_kwargs = limits.check_template_kwargs(body.chat_template_kwargs)
-            if body.tools:
-                template_kwargs["tools"] = plan_tools(body.tools, "required", None,
-                                                      ToolSettings()).template_tools()
-            template_kwargs.update(continue_final_kwargs(body.continue_final_message,
-                                                         body.add_generation_prompt))
-            _, ids = await llm.render_chat_async(conversation, body.add_generation_prompt,
-                                                 **template_kwargs)
-        else:
-            limits.check_prompt_chars(len(body.prompt or ""))
-            ids = await llm.encode_async(body.prompt or "",
-                                         add_special_tokens=body.add_special_tokens)
-        # token_strs: null unless asked for (vLLM's shape).
-        strs = (llm.tokenizer.convert_ids_to_tokens(ids)
-                if body.return_token_strs and hasattr(llm.tokenizer, "convert_ids_to_tokens")
-                else None)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len,
-                "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        completions.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
-        if bad:
-            raise APIError(f"token id(s) {bad[:5]} are outside the vocabulary "
-                           f"(0..{llm.vocab_size - 1})", 400, param="tokens")
-        return {"prompt": await llm.off_loop.run(llm.decode, body.tokens)}
-
-    return app
 
 
 async def serve(engine_args: EngineArgs, settings: ServerSettings,

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from llmtower.server.protocol import (MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, Count,
-                                      Int64, OpenAIModel)
+from llmtower.server.protocol import Count, Int64, MAX_MESSAGES, MAX_TOOLS, OpenAIModel
+from llmtower.server.protocol_chat import ChatCompletionRequest
 from llmtower.server.unknown_fields import reject_unknown_fields
 
 

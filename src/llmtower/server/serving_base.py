@@ -16,8 +16,13 @@ from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.request_output import PromptLogprobs
 from llmtower.server.errors import APIError, error_body, to_api_error
 from llmtower.server.limits import RequestLimits
-from llmtower.server.protocol import (PromptLogprob, PromptLogprobsList, PromptTokensDetails,
-                                      RequestMetricsInfo, UsageInfo)
+from llmtower.server.protocol import (
+    PromptLogprob,
+    PromptLogprobsList,
+    PromptTokensDetails,
+    RequestMetricsInfo,
+    UsageInfo,
+)
 
 T = TypeVar("T")
 _DONE = object()

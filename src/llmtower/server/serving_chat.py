@@ -4,26 +4,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator
-
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from llmtower.engine.request_output import RequestOutput, SampleLogprobs
-from llmtower.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
-                                      ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                      TopLogprob, continue_final_kwargs)
 from llmtower.server.access_log import note_prompt, note_tokens
+from llmtower.server.frontend_options import FrontendOptions, force_usage
+from llmtower.server.protocol_chat import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+    continue_final_kwargs,
+)
 from llmtower.server.reasoning import ReasoningParser
+from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
+                                          merge_streams, metrics_info, prompt_logprobs_json, sse,
+                                          sse_error, token_text, until_disconnect)
 from llmtower.server.tool_parsers.tool_choice import (ToolCallStreamer, ToolPlan, ToolSettings,
                                                       constrain_to_tools, plan_tools,
                                                       tool_finish_reason)
-from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
-                                          merge_streams, metrics_info, sse,
-                                          prompt_logprobs_json, sse_error, token_text,
-                                          until_disconnect)
 
 ROLE = "assistant"
 
@@ -92,8 +101,6 @@ class OpenAIServingChat(ServingBase):
         self.limits.check_n(req.n)
         params = req.to_sampling_params(self.llm.default_sampling)
         self.check_stop_token_ids(params)
-        template_kwargs = self.limits.check_template_kwargs(
-            req.chat_template_kwargs, getattr(req, "chat_template", None))
         # Tools: a constraint for "required" / a named function, the template's tools.
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           self.tool_settings)
@@ -101,14 +108,9 @@ class OpenAIServingChat(ServingBase):
         # A grammar (structured output, a required / named tool) holds from the first token,
         # so such an answer has no thinking: all of it is content.
         reasoner = self.reasoning_parser if params.structured_outputs is None else None
-        if plan.template_tools():
-            template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
-        template_kwargs.update(continue_final_kwargs(req.continue_final_message,
-                                                     req.add_generation_prompt))
-        conversation = req.conversation()
-        self.limits.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
-        prompt, ids = await self.llm.render_chat_async(conversation, req.add_generation_prompt,
-                                                       **template_kwargs)
+        prompt, ids = await self.render_prompt(
+            req.messages, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs, req.chat_template, plan.template_tools())
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
         request_id, engine_id = self.request_ids("chatcmpl", req, raw)
@@ -133,6 +135,24 @@ class OpenAIServingChat(ServingBase):
                                    plan, reasoner))
         except ClientDisconnected:
             return Response(status_code=499)
+
+    async def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                            continue_final_message: bool,
+                            chat_template_kwargs: dict[str, Any] | None,
+                            chat_template: str | None,
+                            tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+        """The prompt (text, token ids) of a conversation through the chat template, with the
+        template's variables and ``tools``: what this endpoint sends to the engine, and what
+        /tokenize counts."""
+        template_kwargs = self.limits.check_template_kwargs(chat_template_kwargs, chat_template)
+        if tools:
+            template_kwargs["tools"] = tools
+        template_kwargs.update(continue_final_kwargs(continue_final_message,
+                                                     add_generation_prompt))
+        conversation = [m.for_template() for m in messages]
+        self.limits.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        return await self.llm.render_chat_async(conversation, add_generation_prompt,
+                                                **template_kwargs)
 
     async def _collect(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                        n: int, top_k: int, first, stream,
@@ -267,3 +287,14 @@ class OpenAIServingChat(ServingBase):
         finally:
             await stream.aclose()
         yield SSE_DONE
+
+
+def build_chat_router(chat: OpenAIServingChat, frontend: FrontendOptions) -> APIRouter:
+    """POST /v1/chat/completions."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create_chat_completion(force_usage(body, frontend), raw)
+
+    return router

@@ -5,7 +5,7 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from llmtower.core.outputs import RequestMetrics
@@ -13,8 +13,14 @@ from llmtower.engine.output_processor import merge_metrics
 from llmtower.engine.request_output import PromptLogprobs, RequestOutput, SampleLogprobs
 from llmtower.server.access_log import note_prompt, note_tokens
 from llmtower.server.errors import APIError, to_api_error
-from llmtower.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                      CompletionRequest, CompletionResponse)
+from llmtower.server.frontend_options import FrontendOptions, force_usage
+from llmtower.server.protocol_completions import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info,
                                           prompt_logprobs_json, sse, sse_error, token_text,
@@ -280,3 +286,15 @@ class OpenAIServingCompletion(ServingBase):
 
 def _merged_metrics(finals: list[RequestOutput]) -> RequestMetrics | None:
     return merge_metrics([ro.metrics for ro in finals])
+
+
+def build_completions_router(completions: OpenAIServingCompletion,
+                             frontend: FrontendOptions) -> APIRouter:
+    """POST /v1/completions."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create_completion(force_usage(body, frontend), raw)
+
+    return router

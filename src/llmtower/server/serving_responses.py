@@ -14,7 +14,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmtower.server.protocol import ChatCompletionResponse
+from llmtower.server.protocol_chat import ChatCompletionResponse
 from llmtower.server.protocol_responses import (
     IncompleteDetails,
     InputTokensDetails,

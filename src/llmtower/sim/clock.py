@@ -4,7 +4,7 @@ from __future__ import annotations
 
 class VirtualClock:
     """Owns one simulated time line (seconds). Calling it returns the time, so it can be handed
-    to the Scheduler as its ``clock``; only ``advance`` and ``advance_to`` move it, forward."""
+    to the Scheduler as its ``clock``; only ``advance_to`` moves it, forward."""
 
     __slots__ = ("now",)
 
@@ -13,11 +13,6 @@ class VirtualClock:
 
     def __call__(self) -> float:
         return self.now
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"cannot move a clock back by {seconds} s")
-        self.now += seconds
 
     def advance_to(self, t: float) -> None:
         """Jump to ``t`` if it is later (an idle replica catching up with an arrival)."""

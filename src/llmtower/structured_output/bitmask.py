@@ -2,19 +2,27 @@
 before sampling (disallowed tokens get -inf), as vLLM v1's runner does."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
-from llmtower.core.outputs import SchedulerOutput
+
+class GrammarStep(Protocol):
+    """What the hook reads of a step: the scheduler's ``SchedulerOutput`` provides it. A protocol
+    rather than that class, because structured_output sits below core in the layers."""
+
+    structured_output_request_ids: dict[str, int]  # request id -> row of grammar_bitmask
+    grammar_bitmask: np.ndarray | None
+    scheduled_spec_decode_tokens: dict[str, list[int]]
 
 
-def grammar_logits_rows(so: SchedulerOutput, req_ids: list[str],
+def grammar_logits_rows(so: GrammarStep, req_ids: list[str],
                         sample_mask: np.ndarray) -> tuple[list[int], list[int]]:
     """(logits rows, bitmask rows) of the constrained requests. The logits hold, for each
     sampled request in scheduler order, one row per draft token plus one."""
     rows = so.structured_output_request_ids
-    drafts = so.scheduled_spec_decode_tokens if hasattr(so, "scheduled_spec_decode_tokens") \
-        else {}
+    drafts = so.scheduled_spec_decode_tokens
     logits_rows: list[int] = []
     mask_rows: list[int] = []
     r = 0
@@ -29,7 +37,7 @@ def grammar_logits_rows(so: SchedulerOutput, req_ids: list[str],
     return logits_rows, mask_rows
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, so: SchedulerOutput, req_ids: list[str],
+def apply_grammar_bitmask(logits: torch.Tensor, so: GrammarStep, req_ids: list[str],
                           sample_mask: np.ndarray) -> None:
     """Mask, in place, the logits rows of the step's constrained requests."""
     logits_rows, mask_rows = grammar_logits_rows(so, req_ids, sample_mask)

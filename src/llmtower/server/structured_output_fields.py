@@ -1,4 +1,4 @@
-"""The request surfaces of structured outputs, read into one ``StructuredOutputsParams``.
+"""The HTTP request surfaces of structured outputs, read into one ``StructuredOutputsParams``.
 
 A request may ask in one of these ways (vLLM's names): ``structured_outputs={...}``, the older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields, or OpenAI's

@@ -1,7 +1,7 @@
 """The head's end of an engine that runs on another host (``llmtower serve --headless``).
 
 It is an ``EngineCoreClient`` without a process: it binds the rank's two TCP sockets (see
-``topology.py``) and waits for that engine to connect and say READY. With no process
+``distributed/topology.py``) and waits for that engine to connect and say READY. With no process
 sentinel to watch, liveness comes from the engine's messages: every engine sends at least a
 heartbeat a second, and one silent for ``dp_timeout`` seconds is dead for the head (its
 requests fail with a retriable 503; the data-parallel client routes around it and waits for
@@ -15,10 +15,10 @@ import time
 
 import zmq
 
+from llmtower.distributed.topology import DPTopology
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.core_client import EngineCoreClient, EngineStartupError
 from llmtower.engine.core_messages import EngineReady, InputTag
-from llmtower.distributed.topology import DPTopology
 
 logger = logging.getLogger(__name__)
 

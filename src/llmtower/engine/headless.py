@@ -2,7 +2,7 @@
 
 It starts one engine process per local rank (``--data-parallel-start-rank R`` ..
 ``R + --data-parallel-size-local - 1``); each connects to the head's sockets for its rank
-(``topology.py``) and to the process group's store there. The head may start before or after
+(``distributed/topology.py``) and to the process group's store there. The head may start before or after
 this host. The host exits when its engines exit: when the head shuts them down, on SIGTERM /
 Ctrl-C (it stops them first), or when one fails (the others are stopped too, so that a
 supervisor restarts the whole host and it rejoins as one).
