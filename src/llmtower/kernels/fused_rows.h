@@ -9,10 +9,6 @@
 #include <string.h>
 #include "bf16.h"
 
-static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int BF16) {
-    return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* Store v as the dtype holds it; returns the stored value widened back (what a later op reads). */
 static inline __attribute__((always_inline)) float st(void *p, int64_t i, float v, const int BF16) {
     if (BF16) {
