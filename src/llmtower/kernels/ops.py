@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch
 from llmtower.kernels.build import KernelUnavailable, library
 from llmtower.utils import cpu_info
 
+logger = logging.getLogger(__name__)
 # The instruction sets a capability report names (lib_init.c's kernel_isa lists those the
 # build targets).
 ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma")
@@ -51,6 +53,21 @@ BY_DTYPE = {
 
 _NO_BF16 = "this CPU (or compiler) has no AVX512_BF16"
 _NO_AVX512 = "this CPU (or compiler) has no AVX-512"
+_SDPA = "prefill keeps PyTorch's SDPA"
+# kernel -> (the library's function that says whether its fast code was compiled in, that
+# function's arguments, why the kernel is off where it says no). The others (fused_ops,
+# paged_attention, cpu_bind) have portable code and run wherever the library builds.
+_FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
+    "prefill_bf16": ("prefill_supported", (), f"{_NO_BF16}: {_SDPA}"),
+    "prefill_f32": ("prefill_f32_supported", (), f"{_NO_AVX512}: {_SDPA}"),
+    "gemv_bf16": ("gemv_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
+    "gemm_bf16": ("gemm_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
+    "gemm_f32": ("gemm_f32_fast", (), f"{_NO_AVX512}: float32 GEMMs stay on oneDNN"),
+    "decode_layer_bf16": ("decode_layer_fast", (1,), _NO_BF16),
+    "decode_layer_f32": ("decode_layer_fast", (0,), _NO_AVX512),
+    "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
+                    "AVX512_BF16"),
+}
 
 
 @dataclass(frozen=True)
@@ -121,35 +138,21 @@ def probe() -> Capabilities:
                             MappingProxyType({k: str(e) for k in KERNELS}))
     lib.kernel_isa.restype = ctypes.c_char_p
     build_isa = frozenset(lib.kernel_isa().decode().split())
-    off: dict[str, str] = {}
-    if not _fast(lib, "prefill_supported"):
-        off["prefill_bf16"] = (f"{_NO_BF16}: the bfloat16 prefill-attention kernel needs it; "
-                               "prefill keeps PyTorch's SDPA")
-    if not _fast(lib, "prefill_f32_supported"):
-        off["prefill_f32"] = (f"{_NO_AVX512}: the float32 prefill-attention kernel needs it; "
-                              "prefill keeps PyTorch's SDPA")
-    if not _fast(lib, "gemv_bf16_fast"):
-        off["gemv_bf16"] = f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"
-    if not _fast(lib, "gemm_bf16_fast"):
-        off["gemm_bf16"] = f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"
-    if not _fast(lib, "gemm_f32_fast"):
-        off["gemm_f32"] = f"{_NO_AVX512}: float32 GEMMs stay on oneDNN"
-    if not _fast(lib, "decode_layer_fast", 1):
-        off["decode_layer_bf16"] = _NO_BF16
-    if not _fast(lib, "decode_layer_fast", 0):
-        off["decode_layer_f32"] = _NO_AVX512
+    off = {k: why for k, (fn, args, why) in _FAST_CODE.items() if not _fast(lib, fn, *args)}
     if os.environ.get("LLMTOWER_GREEDY_HEAD", "1") == "0":
         off["greedy_head"] = "LLMTOWER_GREEDY_HEAD=0"
-    elif not _fast(lib, "greedy_head_fast"):
-        off["greedy_head"] = "this CPU (or compiler) lacks AVX512_VNNI or AVX512_BF16"
     return Capabilities(str(lib._name), cpu_isa, build_isa,
                         _fast(lib, "kernel_vector_exp_check"), MappingProxyType(off))
 
 
 @functools.cache
 def capabilities() -> Capabilities:
-    """This process's ``Capabilities`` (the kernel library built and probed on first call)."""
-    return probe()
+    """This process's ``Capabilities`` (the kernel library built and probed on first call; the
+    kernels that cannot run are logged then, once, with their reasons)."""
+    caps = probe()
+    for kernel, why in caps.unavailable.items():
+        logger.info("C kernel %s off: %s", kernel, why)
+    return caps
 
 
 def kernel_library() -> ctypes.CDLL:
