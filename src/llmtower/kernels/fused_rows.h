@@ -1,5 +1,5 @@
 /* The per-row bodies of the fused per-layer operations (see fused_ops.c for what they compute
- * and how they round), shared by fused_ops.c and decode_layer_bf16.c so that both round
+ * and how they round), shared by fused_ops.c and decode_layer.c so that both round
  * alike. BF16 is a compile-time 0/1 in every caller. */
 #ifndef LLMTOWER_FUSED_ROWS_H
 #define LLMTOWER_FUSED_ROWS_H
