@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmtower.models import attention as A
+from llmtower.kernels import ops
 from llmtower.models import linear as L
 from llmtower.models.default_model import default_model_dir
 from tests.executor.exactness_helpers import add_greedy, hf_greedy, make_engine, run_all
@@ -30,16 +30,17 @@ TEXTS = ["The capital of France is", "Write a short poem about the sea.", "def f
 def ours(model: str, prompts: list[list[int]], n: int, on: bool, threads: int) -> list[list[int]]:
     rows = L.F32_KERNEL_MAX_ROWS
     L.F32_KERNEL_MAX_ROWS = rows if on else 0
-    error = A.prefill_f32_error
+    caps = ops.capabilities
     if not on:
-        A.prefill_f32_error = lambda: "off"  # type: ignore[assignment]
+        off = caps().without("prefill_f32", "off")
+        ops.capabilities = lambda: off  # type: ignore[assignment]
     try:
         core = make_engine(Path(model), dtype="float32", num_threads=threads, block_size=16,
                            max_model_len=1024, num_gpu_blocks=512)
         add_greedy(core, prompts, n)
         out = run_all(core)
     finally:
-        A.prefill_f32_error = error
+        ops.capabilities = caps  # type: ignore[assignment]
     if not on:
         L.F32_KERNEL_MAX_ROWS = rows
     return [out[str(i)] for i in range(len(prompts))]

@@ -21,10 +21,11 @@ import time
 import numpy as np
 import torch
 
+from llmtower.kernels import ops
 from llmtower.kernels.gemm_bf16 import gemm_bf16
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels.greedy_head import GreedyHead, greedy_head_error, max_rows
+from llmtower.kernels.greedy_head import GreedyHead, max_rows
 from llmtower.models.linear import GEMV_MAX_ROWS
 
 
@@ -42,8 +43,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if greedy_head_error() is not None:
-        raise SystemExit(f"no greedy screen here: {greedy_head_error()}")
+    if ops.capabilities().why_not("greedy_head") is not None:
+        raise SystemExit(f"no greedy screen here: {ops.capabilities().why_not('greedy_head')}")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     flush = torch.empty(64 * 2**20 // 4)  # 64 MiB: more than the L3 cache

@@ -11,7 +11,7 @@ from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
 from llmtower.engine.factory import kv_cache_blocks
-from llmtower.executor.kv_quant import row_width
+from llmtower.kernels.kv_quant import row_width
 from llmtower.models.loader import load_model_config
 from tests.fixtures.tiny_models import make_tiny_model_dir
 

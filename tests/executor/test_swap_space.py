@@ -8,7 +8,7 @@ import torch
 
 from llmtower.core.swap_layout import PLAIN, SwapLayout, plan_swap_layout
 from llmtower.executor.kv_cache import KVCache
-from llmtower.executor.kv_quant import dequantize, quantize
+from llmtower.kernels.kv_quant import dequantize, quantize
 from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
 from llmtower.models.config import ModelConfig
 

@@ -12,8 +12,8 @@ import torch
 
 from llmtower.executor import model_runner
 from llmtower.kernels import decode_layer as DL
-from llmtower.kernels.decode_layer import DecodeLayers, LayerParts, decode_layer_error
-from llmtower.kernels.gemm_bf16 import gemm_bf16_error
+from llmtower.kernels import ops
+from llmtower.kernels.decode_layer import DecodeLayers, LayerParts
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.models import linear as linear_mod
@@ -25,11 +25,16 @@ from tests.fixtures.tiny_models import (  # noqa: F401  (pytest finds fixtures b
     tiny_tokenizer_dir,
 )
 
-needs_bf16 = pytest.mark.skipif(decode_layer_error(torch.bfloat16) is not None,
-                                reason=f"no fused bfloat16 layer here: {decode_layer_error()}")
-needs_f32 = pytest.mark.skipif(decode_layer_error(torch.float32) is not None,
-                               reason=f"no fused float32 layer here: "
-                                      f"{decode_layer_error(torch.float32)}")
+
+
+def _why_not(dtype: torch.dtype) -> str | None:
+    return ops.capabilities().why_not_in("decode_layer", dtype)
+
+
+needs_bf16 = pytest.mark.skipif(_why_not(torch.bfloat16) is not None,
+                                reason=f"no fused bfloat16 layer here: {_why_not(torch.bfloat16)}")
+needs_f32 = pytest.mark.skipif(_why_not(torch.float32) is not None,
+                               reason=f"no fused float32 layer here: {_why_not(torch.float32)}")
 # test modes -> (DL.WHOLE_STEP, DL.WHOLE_LAYERS): the whole step in one C call; layers
 # 1 .. L-2 whole in C; one fused call per layer after a Python attention
 MODES = {"step": (True, True), "layers": (False, True), "per_layer": (False, False)}
@@ -118,7 +123,7 @@ def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatc
     it runs; else they keep oneDNN and the separate calls), and steps of more than 256 rows
     the separate calls."""
     prompts = random_prompts(n, 3, 20, seed=n)
-    max_rows = linear_mod.GEMV_MAX_ROWS if gemm_bf16_error() is not None \
+    max_rows = linear_mod.GEMV_MAX_ROWS if not ops.capabilities().can_run("gemm_bf16") \
         else linear_mod.BF16_KERNEL_MAX_ROWS
     whole_step, whole = MODES[mode]
     monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
@@ -148,7 +153,7 @@ def test_the_model_uses_it_only_where_it_runs(odd_qwen2_dir, tiny_llama_dir):  #
         cfg = load_model_config(d)
         for dtype in (torch.bfloat16, torch.float32):
             m = llama.LlamaForCausalLM(cfg, load_state_dict(d, dtype), dtype, 64)
-            if decode_layer_error(dtype) is None:
+            if _why_not(dtype) is None:
                 assert m.decode_layers is not None and m.decode_layers.dtype == dtype
             else:
                 assert m.decode_layers is None
@@ -331,7 +336,7 @@ def test_whole_step_samples_any_rows_bit_for_bit(odd_qwen2_dir, monkeypatch, dty
     """The whole step in C, sampling a subset of the rows or all of them out of order (its
     gathered path), with or without the output layer, equals the step with layer 0 and the
     last layer in Python bit for bit, logits and written K/V alike."""
-    if decode_layer_error(dtype) is not None:
+    if _why_not(dtype) is not None:
         pytest.skip(f"no fused {dtype} layer here")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -362,7 +367,7 @@ def _compare_whole_step(odd_qwen2_dir, monkeypatch, dtype, t, rows, no_head):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_step_refuses_bad_tables_and_rows(odd_qwen2_dir, monkeypatch, dtype):
-    if decode_layer_error(dtype) is not None:
+    if _why_not(dtype) is not None:
         pytest.skip(f"no fused {dtype} layer here")
     with pytest.raises(ValueError, match="block ids"):
         _direct_step(odd_qwen2_dir, dtype, 3, [0, 1, 2], True, monkeypatch, bad_table=True)

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
+from llmtower.kernels import ops
+from llmtower.kernels.fused_ops import FusedOps
 from llmtower.models.llama import rms_norm
 from llmtower.models.rope import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(fused_ops_error() is not None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(ops.capabilities().why_not("fused_ops") is not None, reason="no C compiler here")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

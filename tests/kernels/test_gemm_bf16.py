@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels import ops
 from llmtower.kernels.build import KernelUnavailable
-from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_error, gemm_bf16_silu_mul
+from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
 from llmtower.kernels.gemv_bf16 import GemvWeight
 
 try:
@@ -20,8 +21,8 @@ try:
 except KernelUnavailable:
     BUILT = False
 needs_build = pytest.mark.skipif(not BUILT, reason="no C compiler")
-needs_fast = pytest.mark.skipif(gemm_bf16_error() is not None, reason="no AVX512_BF16 here")
-PATHS = [0, 1] if gemm_bf16_error() is None else [1]
+needs_fast = pytest.mark.skipif(ops.capabilities().why_not("gemm_bf16") is not None, reason="no AVX512_BF16 here")
+PATHS = [0, 1] if ops.capabilities().why_not("gemm_bf16") is None else [1]
 
 
 def _by_fours(fn, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +120,9 @@ def test_threads_strides_and_row_counts_do_not_change_a_row(path):
 @needs_build
 @needs_fast
 def test_silu_vector_exp_is_libms_expf():
-    """The silu epilogue's vector expf agrees with this libm's expf (checked at load); where it
-    did not, the kernel would use expf itself."""
-    assert _lib().gemm_bf16_exp_agrees() == 1
+    """The silu epilogue's vector expf (vec_exp.h) agrees with this libm's expf (checked once at
+    load, ops.capabilities()); where it did not, the kernel would use expf itself."""
+    assert ops.capabilities().vector_exp
 
 
 @needs_build

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels import ops
 from llmtower.kernels.build import KernelUnavailable
-from llmtower.kernels.gemm_f32 import GemmF32Weight, gemm_f32_error
+from llmtower.kernels.gemm_f32 import GemmF32Weight
 
 try:
     from llmtower.kernels.gemm_f32 import _lib
@@ -17,9 +18,9 @@ try:
 except KernelUnavailable:
     BUILT = False
 needs_build = pytest.mark.skipif(not BUILT, reason="no C compiler")
-needs_fast = pytest.mark.skipif(not BUILT or gemm_f32_error() is not None,
+needs_fast = pytest.mark.skipif(not BUILT or ops.capabilities().why_not("gemm_f32") is not None,
                                 reason="no AVX-512 here: only the portable path runs")
-PATHS = [0, 1] if BUILT and gemm_f32_error() is None else [1]
+PATHS = [0, 1] if BUILT and ops.capabilities().why_not("gemm_f32") is None else [1]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:

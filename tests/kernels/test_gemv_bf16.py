@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels import ops
 from llmtower.kernels.build import KernelUnavailable
-from llmtower.kernels.gemv_bf16 import GemvWeight, gemv_bf16_error
+from llmtower.kernels.gemv_bf16 import GemvWeight
 
 try:
     from llmtower.kernels.gemv_bf16 import _lib
@@ -17,7 +18,7 @@ try:
 except KernelUnavailable:
     BUILT = False
 needs_build = pytest.mark.skipif(not BUILT, reason="no C compiler")
-PATHS = [0, 1] if gemv_bf16_error() is None else [1]
+PATHS = [0, 1] if ops.capabilities().why_not("gemv_bf16") is None else [1]
 
 
 def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -83,8 +84,8 @@ def test_silu_mul_matches_float32(path, m, n, k):
 
 @needs_build
 def test_fast_and_portable_paths_agree():
-    if gemv_bf16_error() is not None:
-        pytest.skip(gemv_bf16_error())
+    if ops.capabilities().why_not("gemv_bf16") is not None:
+        pytest.skip(ops.capabilities().why_not("gemv_bf16"))
     g = torch.Generator().manual_seed(3)
     w = torch.randn(257, 191, generator=g).bfloat16()
     x = torch.randn(5, 191, generator=g).bfloat16()

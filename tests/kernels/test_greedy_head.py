@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from llmtower.kernels import ops
 from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.executor import model_runner
 from llmtower.kernels import greedy_head as GH
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels.greedy_head import GreedyHead, greedy_head_error
+from llmtower.kernels.greedy_head import GreedyHead
 from llmtower.models import llama
 from tests.executor.exactness_helpers import add_greedy, make_engine, random_prompts, run_all
 from tests.fixtures.tiny_models import (  # noqa: F401  (pytest finds fixtures by name)
@@ -23,8 +24,8 @@ from tests.fixtures.tiny_models import (  # noqa: F401  (pytest finds fixtures b
     tiny_tokenizer_dir,
 )
 
-pytestmark = pytest.mark.skipif(greedy_head_error() is not None,
-                                reason=f"no greedy head here: {greedy_head_error()}")
+pytestmark = pytest.mark.skipif(ops.capabilities().why_not("greedy_head") is not None,
+                                reason=f"no greedy head here: {ops.capabilities().why_not('greedy_head')}")
 DTYPES = [torch.bfloat16, torch.float32]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtower.executor.kv_quant import dequantize, quantize
+from llmtower.kernels.kv_quant import dequantize, quantize
 from llmtower.kernels.paged_attention_int8 import paged_decode_int8, paged_decode_kv
 
 

@@ -1,6 +1,7 @@
 """The C paged decode-attention kernel against PyTorch's SDPA, its input checks, and its build."""
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -9,9 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmtower.kernels import build
+from llmtower.kernels import build, ops
 from llmtower.kernels.paged_attention import paged_decode
-from llmtower.models import attention
 from llmtower.models.attention import resolve_backend
 
 
@@ -128,19 +128,70 @@ def test_bad_inputs_are_errors_not_crashes():
         paged_decode(torch.empty(2, 3, 8), k_cache, v_cache, tables, ctx, out, 1.0, 1)
 
 
+def test_every_kernel_is_in_one_library():
+    lib = build.library()
+    assert ops.capabilities().library == lib._name
+    for entry in ("paged_decode", "paged_decode_mq", "paged_decode_int8", "prefill_attention",
+                  "prefill_attention_f32", "gemv_bf16", "gemm_bf16", "gemm_f32", "decode_step",
+                  "greedy_head_tokens", "add_rms_norm", "llmtower_bind_threads",
+                  "kernel_vector_exp_check"):
+        assert hasattr(lib, entry), entry
+
+
 def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = build.load.__wrapped__("paged_attention")
-    libs = list((tmp_path / "llmtower" / "kernels").glob("paged_attention-*.so"))
+    # two of the sources, to keep the test short: the objects are linked all the same
+    monkeypatch.setattr(build, "sources", lambda: [build.HERE / "lib_init.c",
+                                                   build.HERE / "cpu_bind.c"])
+    first = build.library.__wrapped__()
+    libs = list((tmp_path / "llmtower" / "kernels").glob("*.so"))
     assert len(libs) == 1 and first._name == str(libs[0])
+    assert hasattr(first, "kernel_isa") and hasattr(first, "llmtower_bind_threads")
     mtime = libs[0].stat().st_mtime_ns
-    build.load.__wrapped__("paged_attention")  # reuses the file, no rebuild
+    build.library.__wrapped__()  # reuses the file, no rebuild
     assert libs[0].stat().st_mtime_ns == mtime
     assert not [p for p in libs[0].parent.iterdir() if p.name.startswith(".")]  # no temp files
 
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(build.KernelUnavailable, match="no-such-compiler"):
-        build.load.__wrapped__("paged_attention")
+        build.library.__wrapped__()
+
+
+def test_a_failed_build_turns_every_kernel_off_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(ops, "library", build.library.__wrapped__)
+    caps = ops.probe()
+    assert caps.library is None and not caps.build_isa
+    for kernel in ops.KERNELS:
+        assert not caps.can_run(kernel)
+        assert "no-such-compiler" in (caps.why_not(kernel) or "")
+    assert "paged_attention: off (no C compiler" in "\n".join(caps.describe())
+
+
+def test_a_build_without_march_native_still_links_one_library(tmp_path, monkeypatch):
+    """Where -march=native fails (a compiler that does not know it), the build retries with the
+    plain flags: portable code, the objects linked into one library (two sources here, to keep
+    the test short)."""
+    monkeypatch.setattr(build, "NATIVE", ["-march=no-such-cpu"])
+    monkeypatch.setattr(build, "sources", lambda: [build.HERE / "lib_init.c",
+                                                   build.HERE / "paged_attention_mq.c"])
+    path = build.build(tmp_path)
+    lib = ctypes.CDLL(str(path))
+    lib.kernel_isa.restype = ctypes.c_char_p
+    assert b"avx512f" not in lib.kernel_isa()  # no AVX-512 without -march
+    assert hasattr(lib, "paged_decode_mq") and hasattr(lib, "kernel_vector_exp_check")
+
+
+def test_capabilities_name_each_kernel_and_take_paths_off_by_copy():
+    caps = ops.capabilities()
+    with pytest.raises(KeyError, match="no kernel"):
+        caps.why_not("no_such_kernel")
+    off = caps.without("gemm_f32", "benchmark: off")
+    assert off.why_not("gemm_f32") == "benchmark: off" and off is not caps
+    assert caps.why_not_in("prefill", torch.float16) == \
+        "the prefill kernel runs float32 and bfloat16, not torch.float16"
+    assert set(caps.cpu_isa) <= set(ops.ISA_FLAGS)
 
 
 def test_backend_choice(monkeypatch, caplog):
@@ -153,7 +204,8 @@ def test_backend_choice(monkeypatch, caplog):
     assert resolve_backend("auto", torch.float32) == "c"  # gcc is on every test machine
     assert resolve_backend("auto", torch.bfloat16) == "c"
 
-    monkeypatch.setattr(attention, "kernel_error", lambda: "no C compiler: 'cc' is not on PATH")
+    off = ops.capabilities().without("paged_attention", "no C compiler: 'cc' is not on PATH")
+    monkeypatch.setattr(ops, "capabilities", lambda: off)
     with caplog.at_level(logging.WARNING):
         assert resolve_backend("auto", torch.float32) == "torch"
     assert "no C compiler" in caplog.text

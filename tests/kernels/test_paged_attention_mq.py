@@ -177,7 +177,7 @@ def test_random_shapes_match_float64_reference(kv_heads, group, head_dim, block_
 def test_int8_cache_multi_query_rows_match_the_dequantized_reference(dtype, kv_heads, head_dim):
     """The int8 kernel with several rows per request equals float64 attention over the
     dequantized cache (the quantization error is the cache's, not the kernel's)."""
-    from llmtower.executor.kv_quant import dequantize, quantize
+    from llmtower.kernels.kv_quant import dequantize, quantize
     from llmtower.kernels.paged_attention_int8 import paged_decode_int8
 
     lens, q_lens = [9, 40, 3, 25], [9, 4, 1, 16]

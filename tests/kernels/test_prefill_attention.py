@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.prefill_attention import (prefill_attention, prefill_kernel_error,
+from llmtower.kernels import ops
+from llmtower.kernels.prefill_attention import (prefill_attention,
                                                 prefill_shape_ok)
 from llmtower.models.attention import AttentionMetadata, PagedAttention, PrefillSeq
 
-needs_kernel = pytest.mark.skipif(prefill_kernel_error() is not None,
-                                  reason=f"kernel unavailable: {prefill_kernel_error()}")
+needs_kernel = pytest.mark.skipif(ops.capabilities().why_not("prefill_bf16") is not None,
+                                  reason=f"kernel unavailable: {ops.capabilities().why_not('prefill_bf16')}")
 
 
 def qkv_views(n, heads, kv_heads, head_dim, seed=0):
@@ -99,7 +100,7 @@ def test_layer_uses_kernel_only_for_bfloat16_with_c_backend():
     assert not _layer(torch.float32).prefill_kernel
     assert not _layer(torch.bfloat16, "torch").prefill_kernel
     assert not _layer(torch.bfloat16, heads=4, kv_heads=4, head_dim=48).prefill_kernel
-    assert _layer(torch.bfloat16).prefill_kernel == (prefill_kernel_error() is None
+    assert _layer(torch.bfloat16).prefill_kernel == (ops.capabilities().why_not("prefill_bf16") is None
                                                      and _layer(torch.bfloat16).backend == "c")
 
 

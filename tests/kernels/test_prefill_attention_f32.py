@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.prefill_attention_f32 import (prefill_attention_f32, prefill_f32_error,
+from llmtower.kernels import ops
+from llmtower.kernels.prefill_attention_f32 import (prefill_attention_f32,
                                                     prefill_f32_shape_ok)
 from llmtower.models.attention import AttentionMetadata, PagedAttention, PrefillSeq
 
-needs_kernel = pytest.mark.skipif(prefill_f32_error() is not None,
-                                  reason=f"kernel unavailable: {prefill_f32_error()}")
+needs_kernel = pytest.mark.skipif(ops.capabilities().why_not("prefill_f32") is not None,
+                                  reason=f"kernel unavailable: {ops.capabilities().why_not('prefill_f32')}")
 
 
 def qkv_views(n, heads, kv_heads, head_dim, seed=0, spread=1.0):
@@ -101,7 +102,7 @@ def test_layer_uses_kernel_for_float32_with_c_backend_only():
     assert not _layer(torch.bfloat16).prefill_f32
     assert not _layer(torch.float32, "torch").prefill_f32
     assert not _layer(torch.float32, heads=4, kv_heads=4, head_dim=24).prefill_f32
-    assert _layer(torch.float32).prefill_f32 == (prefill_f32_error() is None
+    assert _layer(torch.float32).prefill_f32 == (ops.capabilities().why_not("prefill_f32") is None
                                                  and _layer(torch.float32).backend == "c")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmtower.executor.kv_quant import quantize
+from llmtower.kernels.kv_quant import quantize
 from llmtower.models.attention import (MAX_DECODE_QUERY_ROWS, AttentionMetadata, PagedAttention,
                                        PrefillSeq, decode_batch, kernel_decode_mask)
 

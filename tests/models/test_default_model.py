@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from llmtower.kernels import ops
 from llmtower.models import default_model, gguf_cache
 from llmtower.models.loader import load_model_config, load_state_dict, load_tokenizer, resolve_model_path
 
@@ -90,10 +91,9 @@ def test_greedy_screen_gives_the_full_layers_tokens(smollm2, monkeypatch, dtype)
     from llmtower.core.sampling_params import SamplingParams
     from llmtower.engine.llm import LLM
     from llmtower.executor import model_runner
-    from llmtower.kernels import greedy_head
 
-    if greedy_head.greedy_head_error() is not None:
-        pytest.skip(greedy_head.greedy_head_error())
+    if ops.capabilities().why_not("greedy_head") is not None:
+        pytest.skip(ops.capabilities().why_not("greedy_head"))
     llm = LLM(model=str(smollm2), dtype=dtype, num_threads=2, max_model_len=256,
               kv_cache_memory="64MiB", enable_prefix_caching=False)
     model = llm.engine_core.executor.runner.model

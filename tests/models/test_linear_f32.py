@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.gemm_f32 import gemm_f32_error
+from llmtower.kernels import ops
 from llmtower.models import linear as L
 
-needs_kernel = pytest.mark.skipif(L.prepack is L._identity or gemm_f32_error() is not None,
+needs_kernel = pytest.mark.skipif(L.prepack is L._identity or ops.capabilities().why_not("gemm_f32") is not None,
                                   reason="no oneDNN packing or no AVX-512 here")
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from llmtower.engine.core import EngineCore
-from llmtower.kernels.gemv_bf16 import gemv_bf16_error
+from llmtower.kernels import ops
 from llmtower.models.config import ModelConfig
 from llmtower.models.linear import PackedWeight
 from llmtower.models.llama import LlamaForCausalLM
@@ -214,7 +214,7 @@ def test_bfloat16_greedy_follows_transformers_bfloat16(variant, one_at_a_time):
     almost nothing."""
     core = variant.engine(dtype="bfloat16", **CHUNKED)
     model = core.executor.runner.model
-    if gemv_bf16_error() is None:  # the few-row kernel holds every float matrix
+    if ops.capabilities().why_not("gemv_bf16") is None:  # the few-row kernel holds every float matrix
         assert isinstance(model.layers[0].qkv, PackedWeight)
         assert isinstance(model.layers[0].gate, PackedWeight) and model.layers[0].gate.gemv.silu_pair
         assert isinstance(model.lm_head, PackedWeight)

@@ -116,7 +116,7 @@ class CacheConfig:
       block copies per step).
     - ``max_pinned_blocks``: most cached blocks that preloaded prefixes may pin against
       eviction (0: a quarter of ``num_blocks``).
-    - ``cache_dtype``: the KV storage dtype (``--kv-cache-dtype``; ``executor/kv_quant.py``).
+    - ``cache_dtype``: the KV storage dtype (``--kv-cache-dtype``; ``kernels/kv_quant.py``).
     - ``swap_space_dtype``: ``auto`` (swapped blocks as in the cache; compressed to int8 only at
       degradation level 2) or ``int8`` (every swap-out compressed); ``swap_layout``: the swap
       slots a block takes either way (``num_cpu_blocks`` counts slots; ``swap_layout.py``).

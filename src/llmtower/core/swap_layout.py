@@ -5,7 +5,7 @@ Without compression a slot is one block (the plain layout). When swap-outs may b
 (``--swap-space-dtype int8``, or ``--enable-degradation`` at level 2) the swap space mixes
 blocks of two sizes in one pool of host memory, so it is cut into smaller slots: a block in
 the cache's dtype takes ``slots_per_block`` slots, an int8 block (values plus the per-token,
-per-head, per-32-channel scales of ``executor/kv_quant.py``) ``slots_per_compressed_block``.
+per-head, per-32-channel scales of ``kernels/kv_quant.py``) ``slots_per_compressed_block``.
 A block's slots need not be adjacent (the executor scatters its bytes over them), so the
 free slots stay a stack, allocation is O(1) per slot and the swap space never fragments.
 

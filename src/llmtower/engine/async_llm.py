@@ -32,6 +32,7 @@ from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.metrics.prometheus import RequestParams, ServingMetrics
 from llmtower.metrics.stats_logger import LoggingStatLogger
+from llmtower.utils import cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -472,12 +473,5 @@ class AsyncLLM:
 
 def _cpu_has_native_bfloat16() -> bool:
     """Whether /proc/cpuinfo lists AVX512_BF16 or AMX_BF16 (False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
+    flags = cpu_info().flags
+    return "avx512_bf16" in flags or "amx_bf16" in flags

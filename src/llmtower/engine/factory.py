@@ -15,7 +15,7 @@ from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
-from llmtower.executor.kv_quant import resolve_kv_cache_dtype
+from llmtower.kernels.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
 from llmtower.core.swap_layout import SwapLayout
 from llmtower.models.config import ModelConfig

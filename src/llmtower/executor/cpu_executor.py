@@ -9,7 +9,7 @@ from llmtower.core.config import CacheConfig
 from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmtower.executor.cpu_threads import ThreadGovernor
 from llmtower.executor.kv_cache import KVCache
-from llmtower.executor.kv_quant import resolve_kv_cache_dtype
+from llmtower.kernels.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.model_runner import ModelRunner
 from llmtower.models.config import ModelConfig
 from llmtower.models.llama import LlamaForCausalLM

@@ -236,12 +236,12 @@ def _ranges(cpus: list[int]) -> str:
 
 
 def _bind_library() -> ctypes.CDLL:
-    from llmtower.kernels.build import KernelUnavailable, load
+    from llmtower.kernels.build import KernelUnavailable, library
 
     try:
-        return load("cpu_bind")
+        return library()
     except KernelUnavailable as e:
-        raise KernelUnavailable(f"--cpu-bind needs kernels/cpu_bind.c built: {e}") from e
+        raise KernelUnavailable(f"--cpu-bind needs the kernel library (kernels/cpu_bind.c) built: {e}") from e
 
 
 def bind_threads(cpus: tuple[int, ...]) -> None:

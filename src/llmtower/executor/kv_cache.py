@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from llmtower.core.swap_layout import PLAIN, SwapLayout
-from llmtower.executor.kv_quant import bytes_per_token_head, row_width
+from llmtower.kernels.kv_quant import bytes_per_token_head, row_width
 from llmtower.executor.swap_space import SlotSwapSpace
 from llmtower.kernels.huge_pages import empty_on_huge_pages
 from llmtower.models.config import ModelConfig

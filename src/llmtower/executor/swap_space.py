@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.core.swap_layout import PLAIN, SwapLayout, plan_swap_layout
-from llmtower.executor.kv_quant import bytes_per_token_head, dequantize, quantize, row_width
+from llmtower.kernels.kv_quant import bytes_per_token_head, dequantize, quantize, row_width
 from llmtower.models.config import ModelConfig
 
 Pairs = list[tuple[int, int]]

@@ -2,13 +2,13 @@
  *
  * Thread i of a team of n runs on cpus[i]. libgomp keeps a pool of threads and gives a team of
  * the same size the same threads in the same order, so the pinning holds for every later
- * parallel region of that size (torch's GEMMs, our kernels). Compiled with -fopenmp like the
- * other kernels and loaded after torch: it binds the libgomp torch already loaded, not a copy.
+ * parallel region of that size (torch's GEMMs, our kernels). Part of the kernel library
+ * (compiled with -fopenmp, loaded after torch): it binds the libgomp torch already loaded, not a
+ * copy.
  */
 #define _GNU_SOURCE
 #include <sched.h>
-
-int omp_get_thread_num(void);
+#include "threads.h"
 
 /* Returns how many threads could not be pinned (0: all of them were). */
 int llmtower_bind_threads(const int *cpus, int n) {
@@ -17,7 +17,7 @@ int llmtower_bind_threads(const int *cpus, int n) {
     {
         cpu_set_t set;
         CPU_ZERO(&set);
-        CPU_SET(cpus[omp_get_thread_num()], &set);
+        CPU_SET(cpus[kernel_thread()], &set);
         if (sched_setaffinity(0, sizeof set, &set) != 0) failed++;
     }
     return failed;

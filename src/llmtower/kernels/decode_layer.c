@@ -25,6 +25,7 @@
 #include "gemv_bf16_tiles.h"
 #include "gemm_bf16_tiles.h"
 #include "gemm_f32_panels.h"
+#include "threads.h"
 
 /* bfloat16 products of at most this many rows take the few-row tiles, larger ones gemm_bf16's
  * (both sum alike: the choice changes the speed only). */
@@ -53,10 +54,6 @@ typedef struct {
  * AVX-512F); Python uses the fused layer only where they do. */
 int decode_layer_fast(int bf16) { return bf16 ? HAVE_FAST : F32_FAST; }
 
-/* gemm_bf16's silu epilogue: on (1) where its vector expf is this libm's expf to the bit, as
- * gemm_bf16.c's gemm_bf16_exp_agrees found (Python passes its answer on); off: scalar expf. */
-void decode_layer_vector_exp(int on) { gemm_bf16_vector_exp = on; }
-
 /* out = x @ W.T (+ bias), or silu(gate) * up (`silu`): the region's threads share the work,
  * and all of them have finished when it returns. float32: `after` [an, ak] (`asilu`) is the
  * next product's weights, whose first panels are prefetched (NULL: none). */
@@ -67,8 +64,7 @@ static inline __attribute__((always_inline)) void product(
     if (BF16 && m > FEW_ROWS) {
         gemm_bf16_tiles(x, m, ldx, w, n, k, bias, out, ldo, silu, HAVE_FAST);
     } else if (BF16) {
-        if (silu) silu_mul_tiles(x, m, ldx, w, n, k, out, ldo, HAVE_FAST);
-        else gemv_tiles(x, m, ldx, w, n, k, bias, out, ldo, HAVE_FAST);
+        few_rows_tiles(x, m, ldx, w, n, k, silu ? NULL : bias, out, ldo, silu, HAVE_FAST);
     } else {
         f32_product_shared(x, m, ldx, w, n, k, bias, out, ldo, silu, F32_FAST ? 0 : 1, after,
                            an, ak, asilu);
@@ -191,11 +187,7 @@ static int decode_layer_pf(const DecodeLayerWeights *w, const DecodeStep *s,
     const int64_t block_lines = a->block_size * s->nkv * s->d * (s->bf16 ? 2 : 4) / 64;
 #pragma omp parallel num_threads(s->num_threads) if (s->num_threads > 1)
     {
-#ifdef _OPENMP
-        const int64_t th = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-        const int64_t th = 0, team = 1;
-#endif
+        const int64_t th = kernel_thread(), team = kernel_team();
         KvStream q = {k_cache, v_cache, a->block_tables, a->context_lens, a->bt_stride,
                       a->block_size, block_lines, s->t * th / team, s->t * (th + 1) / team,
                       0, 0, 0};

@@ -17,17 +17,14 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from llmtower.kernels import paged_attention
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels import ops, paged_attention
+from llmtower.kernels.build import KernelUnavailable
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-
-if TYPE_CHECKING:
-    from llmtower.models.attention import DecodeBatch
 
 _P = ctypes.c_void_p
 # Most rows a step may have for the fused path, beside the limit of the products' kernel
@@ -108,47 +105,29 @@ def _paged_decode_address() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+class DecodeRows(Protocol):
+    """What ``DecodeLayers.step`` reads of a step's decodes (``models/attention.py``'s
+    ``DecodeBatch``): one row per request, their block tables and context lengths, and whether
+    those were checked against the caches this step (set here once they are)."""
+
+    query_start: torch.Tensor | None
+    num_rows: int
+    num_reqs: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    checked: bool
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("decode_layer")
-    lib.decode_layer_fast.argtypes = [ctypes.c_int]
-    lib.decode_layer_fast.restype = ctypes.c_int
+    lib = ops.kernel_library()
     lib.decode_layer.argtypes = [_P, _P, _P, _P, ctypes.c_int64, _P, _P]
     lib.decode_layer.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
     lib.decode_step.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]
     lib.decode_step.restype = ctypes.c_int
-    lib.decode_layer_vector_exp.argtypes = [ctypes.c_int]
-    lib.decode_layer_vector_exp.restype = None
     return lib
-
-
-@functools.cache
-def _bf16_vector_exp() -> None:
-    """Turns on gemm_bf16's vector expf in this library too where gemm_bf16 found it to be this
-    libm's expf to the bit (same header, same flags); else the silu epilogue keeps expf."""
-    try:
-        from llmtower.kernels import gemm_bf16
-        on = gemm_bf16._lib().gemm_bf16_exp_agrees()
-    except KernelUnavailable:
-        on = 0
-    _lib().decode_layer_vector_exp(on)
-
-
-def decode_layer_error(dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why the fused decode layer cannot run here in ``dtype`` (no compiler; no AVX512_BF16
-    for bfloat16, no AVX-512 for float32; another dtype), or None."""
-    if dtype not in DTYPES:
-        return f"the fused decode layer runs float32 and bfloat16, not {dtype}"
-    try:
-        lib = _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    if not lib.decode_layer_fast(DTYPES[dtype]):
-        return ("this CPU (or compiler) has no AVX512_BF16" if DTYPES[dtype]
-                else "this CPU (or compiler) has no AVX-512")
-    return None
 
 
 class DecodeLayers:
@@ -159,15 +138,13 @@ class DecodeLayers:
     def __init__(self, layers: Sequence[LayerParts], hidden: int, intermediate: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  dtype: torch.dtype = torch.bfloat16, ends: EndParts | None = None) -> None:
-        err = decode_layer_error(dtype)
+        err = ops.capabilities().why_not_in("decode_layer", dtype)
         if err is not None:
             raise ValueError(f"the fused decode layer cannot run: {err}")
         lib = _lib()
         self._fn = lib.decode_layer
         self.dtype = dtype
         self._kernel = GemvWeight if dtype == torch.bfloat16 else GemmF32Weight
-        if dtype == torch.bfloat16:
-            _bf16_vector_exp()
         self.hidden, self.inter = hidden, intermediate
         self.nh, self.nkv, self.d = num_heads, num_kv_heads, head_dim
         self.qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
@@ -250,7 +227,7 @@ class DecodeLayers:
         """Whether ``step`` can run (the ends were given and whole layers can run)."""
         return WHOLE_STEP and self._ends is not None and self.attends
 
-    def step(self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor], db: DecodeBatch,
+    def step(self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor], db: DecodeRows,
              block_size: int, scale: float, rows: torch.Tensor, head: bool = True
              ) -> tuple[torch.Tensor, bool]:
         """A whole pure one-row decode step (after ``begin_step``) in one C call: ``h`` [t,

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -20,7 +20,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("fused_ops")
+    lib = kernel_library()
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F, _INT, _INT]
     lib.rope_kv_write.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P,
                                   _P, _INT, _INT]
@@ -28,15 +28,6 @@ def _lib() -> ctypes.CDLL:
     for f in (lib.add_rms_norm, lib.rope_kv_write, lib.silu_mul):
         f.restype = _INT
     return lib
-
-
-def fused_ops_error() -> str | None:
-    """Why the fused kernels cannot run here, or None when they can (builds on first call)."""
-    try:
-        _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
 
 
 class FusedOps:

@@ -1,5 +1,5 @@
 /* The per-row bodies of the fused per-layer operations (see fused_ops.c for what they compute
- * and how they round), shared by fused_ops.c and decode_layer_bf16.c so that both round
+ * and how they round), shared by fused_ops.c and decode_layer.c so that both round
  * alike. BF16 is a compile-time 0/1 in every caller. */
 #ifndef LLMTOWER_FUSED_ROWS_H
 #define LLMTOWER_FUSED_ROWS_H
@@ -8,10 +8,6 @@
 #include <stdint.h>
 #include <string.h>
 #include "bf16.h"
-
-static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int BF16) {
-    return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 /* Store v as the dtype holds it; returns the stored value widened back (what a later op reads). */
 static inline __attribute__((always_inline)) float st(void *p, int64_t i, float v, const int BF16) {

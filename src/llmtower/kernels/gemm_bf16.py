@@ -3,8 +3,9 @@ few hundred rows by a matrix the few-row kernel already holds (``GemvWeight``: t
 buffer, no second copy), summed as that kernel sums them (a row's result does not depend on
 which of the two ran it, nor on the row or thread count).
 
-Used only where the CPU has AVX512_BF16 (``gemm_bf16_error``); the caller keeps oneDNN for
-other row counts and CPUs. Calls check only what the model could get wrong cheaply.
+Used only where the CPU has AVX512_BF16 (``ops.capabilities()``, kernel ``gemm_bf16``); the
+caller keeps oneDNN for other row counts and CPUs. Calls check only what the model could get
+wrong cheaply.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import functools
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 from llmtower.kernels.gemv_bf16 import GemvWeight
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -21,25 +22,11 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("gemm_bf16")
-    lib.gemm_bf16_fast.restype = _INT
+    lib = kernel_library()
     lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT]
     lib.gemm_bf16_silu_mul.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT, _INT]
     lib.gemm_bf16.restype = lib.gemm_bf16_silu_mul.restype = _INT
-    lib.gemm_bf16_exp_agrees.restype = _INT
-    lib.gemm_bf16_exp_agrees()  # the silu epilogue's vector expf, where it is libm's to the bit
     return lib
-
-
-def gemm_bf16_error() -> str | None:
-    """Why the fast kernel cannot run here (no compiler, or no AVX512_BF16), or None."""
-    try:
-        lib = _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    if not lib.gemm_bf16_fast():
-        return "this CPU (or compiler) has no AVX512_BF16: bfloat16 decode GEMMs stay on oneDNN"
-    return None
 
 
 def _check(w: GemvWeight, x: torch.Tensor, want_pair: bool) -> None:

@@ -53,8 +53,7 @@ static int gemm_any(const float *x, int64_t m, int64_t ldx, const float *packed,
     if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
     if (m == 0) return 0;
     const int64_t panels = f32_panels(n, silu);
-    int nt = num_threads < 1 ? 1 : num_threads;
-    if (nt > panels) nt = (int)panels;
+    const int nt = kernel_threads(num_threads, panels);
 #pragma omp parallel num_threads(nt)
     f32_product_shared(x, m, ldx, packed, n, k, bias, out, ldo, silu, path, NULL, 0, 0, 0);
     return 0;

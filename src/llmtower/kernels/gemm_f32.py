@@ -4,9 +4,9 @@ a matrix in the kernel's panel layout and multiplies rows by it.
 A float32 decode step multiplies the running requests' rows (tens to a few hundred) by every
 weight matrix, which comes from memory each step; oneDNN reaches only 60-85% of its in-cache
 rate there. The kernel streams each 32-column panel once per step with the next one prefetched.
-It is used only where the CPU has AVX-512 (``gemm_f32_error``); the caller keeps oneDNN for
-other row counts and CPUs. Calls check only what the model could get wrong cheaply: it passes
-tensors it allocated itself.
+It is used only where the CPU has AVX-512 (``ops.capabilities()``, kernel ``gemm_f32``); the
+caller keeps oneDNN for other row counts and CPUs. Calls check only what the model could get
+wrong cheaply: it passes tensors it allocated itself.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 from llmtower.kernels.huge_pages import empty_streamed
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -25,8 +25,7 @@ SILU_HALF_PANEL = 16
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("gemm_f32")
-    lib.gemm_f32_fast.restype = _INT
+    lib = kernel_library()
     lib.gemm_f32_packed_numel.argtypes = [_I64, _I64, _INT]
     lib.gemm_f32_packed_numel.restype = _I64
     lib.gemm_f32_pack.argtypes = [_P, _P, _I64, _I64, _P]
@@ -35,17 +34,6 @@ def _lib() -> ctypes.CDLL:
     lib.gemm_f32_silu_mul.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT, _INT]
     lib.gemm_f32.restype = lib.gemm_f32_silu_mul.restype = _INT
     return lib
-
-
-def gemm_f32_error() -> str | None:
-    """Why the fast kernel cannot run here (no compiler, or no AVX-512), or None."""
-    try:
-        lib = _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    if not lib.gemm_f32_fast():
-        return "this CPU (or compiler) has no AVX-512: float32 GEMMs stay on oneDNN"
-    return None
 
 
 class GemmF32Weight:

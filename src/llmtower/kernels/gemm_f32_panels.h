@@ -15,9 +15,8 @@
 #else
 #define F32_FAST 0
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
+#include "vec_exp.h"
 
 #define F32_NP 32     /* output columns per panel: two vectors of 16 */
 #define F32_HALF 16   /* gate (or up) columns per panel of a silu pair */
@@ -25,27 +24,6 @@
 #define F32_CHUNK_BYTES (640 * 1024) /* x rows per pass over the panels: what stays in L2 beside a panel */
 
 static inline float f32_silu(float g) { return g / (1.0f + expf(-g)); }
-
-#if F32_FAST
-/* exp(v) for 16 lanes: v = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
- * (truncation < 1e-8 relative, below float32's half ulp), then scaled by 2^n. Within ~1 ulp
- * of expf; PyTorch's own vectorized silu differs from expf by as much. */
-static inline __m512 f32_exp16(__m512 v) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  /* ln2, high part */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      /* ln2, low part */
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* The finished sums of `rows` rows x 32 columns (acc[r * F32_NP + c]) into out. */
 static void f32_store_tile(const float *acc, int rows, float *out, int64_t ldo, int ncols,
@@ -56,9 +34,7 @@ static void f32_store_tile(const float *acc, int rows, float *out, int64_t ldo, 
         if (silu) {
 #if F32_FAST
             if (path == 0) {
-                const __m512 g = _mm512_loadu_ps(a), u = _mm512_loadu_ps(a + F32_HALF);
-                const __m512 e = f32_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-                const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                const __m512 s = silu16(_mm512_loadu_ps(a)), u = _mm512_loadu_ps(a + F32_HALF);
                 _mm512_mask_storeu_ps(o, (__mmask16)((1u << ncols) - 1), _mm512_mul_ps(s, u));
                 continue;
             }
@@ -182,22 +158,6 @@ static inline int64_t f32_panels(int64_t n, int silu) {
     return (n + (silu ? F32_HALF : F32_NP) - 1) / (silu ? F32_HALF : F32_NP);
 }
 
-static inline int64_t f32_thread(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static inline int64_t f32_team(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
-
 /* out = x @ W.T (+ bias), or silu(gate) * up for a silu pair: this thread's share of the
  * panels, then a barrier (the next phase reads every thread's columns). `after` (or NULL): the
  * packed weights of the product this thread runs next, [after_n, after_k] (`after_silu`), whose
@@ -206,7 +166,7 @@ static void f32_product_shared(const float *x, int64_t m, int64_t ldx, const flo
                                int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
                                int silu, int path, const float *after, int64_t after_n,
                                int64_t after_k, int after_silu) {
-    const int64_t t = f32_thread(), team = f32_team(), panels = f32_panels(n, silu);
+    const int64_t t = kernel_thread(), team = kernel_team(), panels = f32_panels(n, silu);
     const char *pf = NULL;
     int64_t pf_lines = 0;
     if (after) {

@@ -24,8 +24,19 @@
  * tok/s within noise (docs/performance.md), so it stays off.
  */
 #include "gemv_bf16_tiles.h"
+#include "threads.h"
 
 int gemv_bf16_fast(void) { return HAVE_FAST; }
+
+/* The few-row tiles' prefetch (one setting for the whole library: gemv_bf16 and decode_layer's
+ * layers read it). */
+int gemv_pf_hint = 0;
+int64_t gemv_pf_dist = 1024;
+
+void gemv_bf16_tiles_set_prefetch(int hint, int64_t dist) {
+    gemv_pf_hint = hint;
+    gemv_pf_dist = dist;
+}
 
 int64_t gemv_bf16_packed_numel(int64_t n, int64_t k) {
     return ((n + TILE - 1) / TILE) * TILE * ((k + 1) / 2) * 2;
@@ -49,9 +60,9 @@ int gemv_bf16(const uint16_t *x, int64_t m, int64_t x_stride, const uint16_t *wp
               int num_threads, int path) {
     if (m < 0 || n <= 0 || k <= 0) return 1;
     const int fast = HAVE_FAST && path == 0;
-    const int64_t tiles = (n + TILE - 1) / TILE;
-#pragma omp parallel num_threads(num_threads) if (tiles > 1 && num_threads > 1)
-    gemv_tiles(x, m, x_stride, wp, n, k, bias, out, out_stride, fast);
+    const int nt = kernel_threads(num_threads, (n + TILE - 1) / TILE);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    few_rows_tiles(x, m, x_stride, wp, n, k, bias, out, out_stride, 0, fast);
     return 0;
 }
 
@@ -62,8 +73,8 @@ int gemv_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t x_stride, const uin
                        int num_threads, int path) {
     if (m < 0 || ni <= 0 || k <= 0) return 1;
     const int fast = HAVE_FAST && path == 0;
-    const int64_t tiles = (ni + TILE / 2 - 1) / (TILE / 2);
-#pragma omp parallel num_threads(num_threads) if (tiles > 1 && num_threads > 1)
-    silu_mul_tiles(x, m, x_stride, wp, ni, k, out, out_stride, fast);
+    const int nt = kernel_threads(num_threads, (ni + TILE / 2 - 1) / (TILE / 2));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    few_rows_tiles(x, m, x_stride, wp, ni, k, NULL, out, out_stride, 1, fast);
     return 0;
 }

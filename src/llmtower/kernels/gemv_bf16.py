@@ -4,8 +4,8 @@ matrix in the kernel's layout and multiplies rows by it.
 Decode steps multiply one or a few rows by each weight matrix; there the time is reading the
 matrix, and oneDNN's small-row path spends about twice what streaming it costs. The kernel
 reads each matrix once per step in one sequential run per 64 output columns. It is used only
-where the CPU has AVX512_BF16 (``gemv_bf16_error``); the caller keeps oneDNN for other row
-counts and CPUs. Calls do no checking beyond shapes and dtypes the model cannot get wrong
+where the CPU has AVX512_BF16 (``ops.capabilities()``, kernel ``gemv_bf16``); the caller keeps
+oneDNN for other row counts and CPUs. Calls do no checking beyond shapes and dtypes the model cannot get wrong
 cheaply: the model passes tensors it allocated itself.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 from llmtower.kernels.huge_pages import empty_streamed
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -25,8 +25,7 @@ SILU_HALF_TILE = 32
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("gemv_bf16")
-    lib.gemv_bf16_fast.restype = _INT
+    lib = kernel_library()
     lib.gemv_bf16_packed_numel.argtypes = [_I64, _I64]
     lib.gemv_bf16_packed_numel.restype = _I64
     lib.gemv_bf16_pack.argtypes = [_P, _I64, _I64, _P]
@@ -34,6 +33,8 @@ def _lib() -> ctypes.CDLL:
     lib.gemv_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT]
     lib.gemv_bf16_silu_mul.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT, _INT]
     lib.gemv_bf16.restype = lib.gemv_bf16_silu_mul.restype = _INT
+    lib.gemv_bf16_tiles_set_prefetch.argtypes = [_INT, _I64]
+    lib.gemv_bf16_tiles_set_prefetch.restype = None
     return lib
 
 
@@ -43,33 +44,12 @@ PREFETCH_HINTS = {"none": 0, "nta": 1, "t0": 2, "t1": 3, "t2": 4}
 
 def set_prefetch(hint: str, dist: int = 1024) -> None:
     """Prefetch the few-row tiles ``dist`` bytes ahead with ``hint`` (``"none"``: off, the
-    default), in this kernel and in decode_layer's whole layers (benchmarks compare them; the
-    results do not change)."""
+    default), in this kernel and in decode_layer's whole layers: one setting, held once in the
+    kernel library (benchmarks compare them; the results do not change)."""
     code = PREFETCH_HINTS[hint]
     if dist < 0:
         raise ValueError("prefetch distance must be >= 0")
-    from llmtower.kernels import decode_layer
-
-    libs = [_lib()]
-    try:
-        libs.append(decode_layer._lib())
-    except KernelUnavailable:
-        pass
-    for lib in libs:
-        lib.gemv_bf16_tiles_set_prefetch.argtypes = [_INT, _I64]
-        lib.gemv_bf16_tiles_set_prefetch.restype = None
-        lib.gemv_bf16_tiles_set_prefetch(code, dist)
-
-
-def gemv_bf16_error() -> str | None:
-    """Why the fast kernel cannot run here (no compiler, or no AVX512_BF16), or None."""
-    try:
-        lib = _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    if not lib.gemv_bf16_fast():
-        return "this CPU (or compiler) has no AVX512_BF16: bfloat16 decode GEMMs stay on oneDNN"
-    return None
+    _lib().gemv_bf16_tiles_set_prefetch(code, dist)
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:

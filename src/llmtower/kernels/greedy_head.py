@@ -8,25 +8,24 @@ bfloat16, 113 of 540 MB in float32); the screen reads 28.3 MB instead, plus the 
 tiles of the layer's own packed weights. The token is bit for bit the one the full logits give
 (ties: the first index), because the candidates' logits come from the same packed weights and
 the same summation code as the full layer's, and every other row is proven below them
-(``greedy_head.c`` derives the bound). ``LLMTOWER_GREEDY_HEAD=0`` turns it off.
+(``greedy_head.c`` derives the bound). ``LLMTOWER_GREEDY_HEAD=0`` turns it off (read by
+``ops.capabilities()``, kernel ``greedy_head``).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels.huge_pages import empty_streamed
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
-ENABLED = os.environ.get("LLMTOWER_GREEDY_HEAD", "1") != "0"
 TILE = 64  # output rows per tile of the int8 copy (greedy_head.c)
 # Most candidates a row may leave to exact computation (``GreedyHead.cap``); past it the full
 # layer decides the row (measured on SmolLM2: 1 candidate at the median, 481 at most over
@@ -42,27 +41,12 @@ _LOAD_CHUNK = 4096
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load("greedy_head")
-    lib.greedy_head_fast.restype = _INT
+    lib = kernel_library()
     lib.greedy_head_max_rows.restype = _INT
     lib.greedy_head_tokens.argtypes = [_P, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _P, _P, _P,
                                        _I64, _P, _P, _P, _I64, _INT, _INT]
     lib.greedy_head_tokens.restype = _INT
     return lib
-
-
-def greedy_head_error() -> str | None:
-    """Why the greedy output layer cannot run here (turned off, no compiler, or a CPU without
-    AVX512_VNNI / AVX512_BF16), or None."""
-    if not ENABLED:
-        return "LLMTOWER_GREEDY_HEAD=0"
-    try:
-        lib = _lib()
-    except KernelUnavailable as e:
-        return str(e)
-    if not lib.greedy_head_fast():
-        return "this CPU (or compiler) lacks AVX512_VNNI or AVX512_BF16"
-    return None
 
 
 def max_rows() -> int:

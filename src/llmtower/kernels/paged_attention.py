@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
@@ -20,7 +20,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 
 @functools.cache
 def _fn() -> Callable[..., int]:
-    f = load("paged_attention").paged_decode
+    f = kernel_library().paged_decode
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -29,20 +29,20 @@ def _fn() -> Callable[..., int]:
 
 @functools.cache
 def _fn_mq() -> Callable[..., int]:
-    f = load("paged_attention").paged_decode_mq
+    f = kernel_library().paged_decode_mq
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return f
 
 
-def kernel_error() -> str | None:
-    """Why the kernel cannot run here, or None when it can (builds it on first call)."""
-    try:
-        _fn()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+def raise_for_code(fn: str, rc: int, memory: str = "its scratch buffers") -> None:
+    """The error an attention kernel's return code means (0: none): -1 it could not allocate
+    ``memory``, anything else it refused its inputs."""
+    if rc == -1:
+        raise MemoryError(f"{fn}: the kernel could not allocate {memory}")
+    if rc != 0:
+        raise RuntimeError(f"{fn}: the kernel refused its inputs (code {rc})")
 
 
 def _check_operands(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -82,10 +82,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
-    if rc == -1:
-        raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
-    if rc != 0:
-        raise RuntimeError(f"paged_decode: the kernel refused its inputs (code {rc})")
+    raise_for_code("paged_decode", rc, "its score buffer")
     return out
 
 
@@ -117,10 +114,7 @@ def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                   query_start.data_ptr(), out.data_ptr(), n, h, hkv, d, bs, scale,
                   DTYPES[q.dtype], num_threads)
-    if rc == -1:
-        raise MemoryError("paged_decode_mq: the kernel could not allocate its scratch buffers")
-    if rc != 0:
-        raise RuntimeError(f"paged_decode_mq: the kernel refused its inputs (code {rc})")
+    raise_for_code("paged_decode_mq", rc)
     return out
 
 

@@ -6,7 +6,7 @@
  *   k_cache, v_cache : int8 [num_blocks, block_size, num_kv_heads, head_dim + 4 * groups]
  *                      contiguous; each (token, KV head) row: head_dim int8 values x[i], then
  *                      one float32 scale s_g per group of `gsize` channels (head_dim / gsize
- *                      groups); the stored value i is s_{i / gsize} * x[i] (executor/kv_quant.py)
+ *                      groups); the stored value i is s_{i / gsize} * x[i] (kernels/kv_quant.py)
  *   block_tables     : [num_reqs, bt_stride] int64;  context_lens : [num_reqs] int64
  *   q, out           : [num_reqs, num_heads, head_dim] float32 or bfloat16 (one dtype);
  *                      consecutive q rows q_stride elements apart, out contiguous
@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16.h"
-
+#include "threads.h"
 
 static inline float group_scale(const int8_t *row, int64_t head_dim, int64_t g) {
     float s;
@@ -119,7 +119,7 @@ int paged_decode_int8(const void *q, int64_t q_stride, const int8_t *k_cache,
         max_q = nq > max_q ? nq : max_q;
     }
     int failed = 0;
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+#pragma omp parallel num_threads(kernel_threads(num_threads, jobs))
     {
         float *qf = malloc(sizeof(float) * (size_t)(max_q * group * head_dim));
         float *acc = malloc(sizeof(float) * (size_t)(max_q * group * head_dim));

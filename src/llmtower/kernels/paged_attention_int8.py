@@ -12,17 +12,18 @@ from collections.abc import Callable
 
 import torch
 
-from llmtower.executor.kv_quant import group_size, row_width
-from llmtower.kernels.build import load
+from llmtower.kernels.kv_quant import group_size, row_width
+from llmtower.kernels.ops import kernel_library
 from llmtower.kernels.paged_attention import (DTYPES, check_layout, check_query_start,
-                                              check_tables, paged_decode, paged_decode_mq)
+                                              check_tables, paged_decode, paged_decode_mq,
+                                              raise_for_code)
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _fn() -> Callable[..., int]:
-    f = load("paged_attention_int8").paged_decode_int8
+    f = kernel_library().paged_decode_int8
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -34,7 +35,7 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       scale: float, num_threads: int, tables_checked: bool = False,
                       query_start: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_decode`` over int8 caches [num_blocks, block_size, Hkv, D + 4 * groups]
-    (values, then each group's float32 scale; ``executor/kv_quant.py``). q [T, H, D] and out
+    (values, then each group's float32 scale; ``kernels/kv_quant.py``). q [T, H, D] and out
     [T, H, D] float32 or bfloat16 (one dtype). ``query_start`` None: one row per request;
     else [n + 1] offsets of each request's rows (``paged_decode_mq``'s contract).
     ``tables_checked``: tables, lengths and starts already checked for this cache."""
@@ -62,10 +63,7 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                starts, out.data_ptr(), n, h, hkv, d, bs, group_size(d), scale,
                DTYPES[q.dtype], num_threads)
-    if rc == -1:
-        raise MemoryError("paged_decode_int8: the kernel could not allocate its scratch buffers")
-    if rc != 0:
-        raise RuntimeError(f"paged_decode_int8: the kernel refused its inputs (code {rc})")
+    raise_for_code("paged_decode_int8", rc)
     return out
 
 

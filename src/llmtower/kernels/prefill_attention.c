@@ -30,30 +30,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
+#include "threads.h"
+#include "vec_exp.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PREFILL_OK 1
 
 enum { QB = 16 }; /* query rows per work unit */
-
-/* exp(x) for x <= 0, vectorized (Cephes' expf as in paged_attention.c, 16 lanes) */
-static inline __m512 exp16_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 static inline __m512bh bh(__m512i x) { return (__m512bh)x; }
 
@@ -148,13 +133,6 @@ static void pack(const Job *j, int64_t g) {
         }
 }
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* One (KV head g, query rows r0 .. r0 + QB - 1) unit. Scratch: qv [QB*G][P] query pairs,
  * scores [QB*G][kpad] float, w [QB*G][kpad] bfloat16 weights, acc [QB*G][D], sums [QB*G]. */
 static void unit(const Job *j, int64_t g, int64_t r0, uint32_t *qv, float *scores, uint16_t *w,
@@ -201,8 +179,7 @@ static void unit(const Job *j, int64_t g, int64_t r0, uint32_t *qv, float *score
                 _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sx + p), mx)));
             const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
             /* the sum of the weights as rounded, so that they sum to 1 after the division */
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+            sum = _mm512_add_ps(sum, bf16x16_to_f32(eb));
             const int64_t room = 2 * npair - p; /* whole pairs: npair * 2 may end inside a tile */
             const __mmask16 st = room >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << room) - 1u);
             _mm256_mask_storeu_epi16(wx + p, st, eb);
@@ -228,7 +205,7 @@ static void unit(const Job *j, int64_t g, int64_t r0, uint32_t *qv, float *score
     for (int64_t x = 0; x < Q; x++) {
         const float inv = 1.f / sums[x];
         uint16_t *o = j->out + ((r0 + x / G) * j->H + g * G + x % G) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = to_bf16(acc[x * D + d] * inv);
+        for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(acc[x * D + d] * inv);
     }
 }
 #endif
@@ -258,7 +235,7 @@ int prefill_attention(const void *q, int64_t q_stride, const void *k, int64_t k_
     const int64_t kpad = ntiles * 16, Qmax = QB * G;
     const int64_t nblocks = (n + QB - 1) / QB, units = nblocks * num_kv_heads;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
+#pragma omp parallel num_threads(kernel_threads(num_threads, units)) reduction(| : failed)
     {
         uint32_t *qv = malloc(sizeof(uint32_t) * (size_t)(Qmax * D / 2));
         float *scores = malloc(sizeof(float) * (size_t)(Qmax * kpad));

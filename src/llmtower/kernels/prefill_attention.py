@@ -1,8 +1,8 @@
 """Python side of the bfloat16 causal prefill-attention kernel (``prefill_attention.c``).
 
 ``prefill_attention(q, k, v, out, scale, num_threads)`` checks every shape, dtype and layout
-the C code trusts, then calls it (ctypes releases the GIL). ``prefill_kernel_error()`` says why
-the kernel cannot run here (no compiler, or a CPU without AVX-512 BF16): callers then keep
+the C code trusts, then calls it (ctypes releases the GIL). Where it cannot run (no compiler, or
+a CPU without AVX-512 BF16: ``ops.capabilities()``, kernel ``prefill_bf16``), callers keep
 PyTorch's SDPA.
 """
 from __future__ import annotations
@@ -13,21 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, load
+from llmtower.kernels.ops import kernel_library
+from llmtower.kernels.paged_attention import raise_for_code
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-def load_prefill_kernel(lib_name: str, supported: str, entry: str,
-                        unavailable: str) -> Callable[..., int]:
-    """A prefill-attention kernel's entry point (both share one C signature); raises
-    KernelUnavailable with ``unavailable`` where its ``supported()`` says no."""
-    lib = load(lib_name)
-    is_supported = getattr(lib, supported)
-    is_supported.restype = ctypes.c_int
-    if not is_supported():
-        raise KernelUnavailable(unavailable)
-    f = getattr(lib, entry)
+def load_prefill_kernel(entry: str) -> Callable[..., int]:
+    """A prefill-attention kernel's entry point (both share one C signature)."""
+    f = getattr(kernel_library(), entry)
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_float,
                   ctypes.c_int]
@@ -36,18 +30,7 @@ def load_prefill_kernel(lib_name: str, supported: str, entry: str,
 
 @functools.cache
 def _fn() -> Callable[..., int]:
-    return load_prefill_kernel("prefill_attention", "prefill_supported", "prefill_attention",
-                               "the bfloat16 prefill-attention kernel needs a CPU (and a "
-                               "compiler target) with AVX-512 BF16")
-
-
-def prefill_kernel_error() -> str | None:
-    """Why the kernel cannot run here, or None when it can (builds it on first call)."""
-    try:
-        _fn()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return load_prefill_kernel("prefill_attention")
 
 
 def prefill_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -92,8 +75,5 @@ def checked_prefill_call(name: str, dtype: torch.dtype, shape_ok: Callable[[int,
         return out
     rc = fn()(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
               out.data_ptr(), n, h, hkv, d, scale, num_threads)
-    if rc == -1:
-        raise MemoryError(f"{name}: the kernel could not allocate its scratch buffers")
-    if rc != 0:
-        raise RuntimeError(f"{name}: the kernel refused its inputs (code {rc})")
+    raise_for_code(name, rc)
     return out

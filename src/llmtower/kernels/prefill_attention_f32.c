@@ -19,7 +19,7 @@
  *      in order; the output is that sum divided by the exp sum.
  *
  * Every operation is float32 (no narrower rounding anywhere); the results differ from SDPA's
- * in summation order and in exp's last bits. Work units go largest first (later query blocks
+ * in summation order and in exp's last bits (vec_exp.h's, glibc's expf). Work units go largest first (later query blocks
  * see more keys) to OpenMP threads. Built only where the compiler targets AVX-512
  * (prefill_f32_supported() says whether it was); elsewhere the caller keeps SDPA.
  */
@@ -27,30 +27,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "threads.h"
+#include "vec_exp.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PREFILL_F32_OK 1
 
 enum { QB = 16, SR = 8, VR = 4 }; /* query rows per unit; rows per score / value pass */
-
-/* exp(x) for x <= 0, vectorized (Cephes' expf polynomial, 16 lanes), as prefill_attention.c */
-static inline __m512 exp16_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 /* sc[r * ld + j .. +32) = scale * sum_d q_r[d] * kt[d * npad + j ..] for R rows (NV: 1 or 2
  * vectors of 16 keys). */
@@ -187,8 +171,7 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(num_kv_heads * d * npad));
     if (!kt) return -1;
     int failed = 0;
-    const int nt = num_threads > 0 ? num_threads : 1;
-#pragma omp parallel num_threads(nt) reduction(| : failed)
+#pragma omp parallel num_threads(kernel_threads(num_threads, units)) reduction(| : failed)
     {
 #pragma omp for schedule(static)
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {

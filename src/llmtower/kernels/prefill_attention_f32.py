@@ -1,8 +1,8 @@
 """Python side of the float32 causal prefill-attention kernel (``prefill_attention_f32.c``).
 
 ``prefill_attention_f32(q, k, v, out, scale, num_threads)`` checks every shape, dtype and
-layout the C code trusts, then calls it (ctypes releases the GIL). ``prefill_f32_error()`` says
-why the kernel cannot run here (no compiler, or a CPU without AVX-512): callers then keep
+layout the C code trusts, then calls it (ctypes releases the GIL). Where it cannot run (no
+compiler, or a CPU without AVX-512: ``ops.capabilities()``, kernel ``prefill_f32``), callers keep
 PyTorch's SDPA.
 """
 from __future__ import annotations
@@ -12,25 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable
 from llmtower.kernels.prefill_attention import checked_prefill_call, load_prefill_kernel
 
 
 @functools.cache
 def _fn() -> Callable[..., int]:
-    return load_prefill_kernel("prefill_attention_f32", "prefill_f32_supported",
-                               "prefill_attention_f32",
-                               "the float32 prefill-attention kernel needs a CPU (and a "
-                               "compiler target) with AVX-512")
-
-
-def prefill_f32_error() -> str | None:
-    """Why the kernel cannot run here, or None when it can (builds it on first call)."""
-    try:
-        _fn()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return load_prefill_kernel("prefill_attention_f32")
 
 
 def prefill_f32_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

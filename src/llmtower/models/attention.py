@@ -40,14 +40,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtower.executor.kv_quant import read_rows, write_slots
-from llmtower.kernels.paged_attention import (check_query_start, check_tables, kernel_error,
-                                              paged_decode, paged_decode_mq)
+from llmtower.kernels.kv_quant import read_rows, write_slots
+from llmtower.kernels import ops
+from llmtower.kernels.paged_attention import (check_query_start, check_tables, paged_decode,
+                                              paged_decode_mq)
 from llmtower.kernels.paged_attention_int8 import paged_decode_kv
-from llmtower.kernels.prefill_attention import (prefill_attention, prefill_kernel_error,
-                                                prefill_shape_ok)
-from llmtower.kernels.prefill_attention_f32 import (prefill_attention_f32, prefill_f32_error,
-                                                    prefill_f32_shape_ok)
+from llmtower.kernels.prefill_attention import prefill_attention, prefill_shape_ok
+from llmtower.kernels.prefill_attention_f32 import prefill_attention_f32, prefill_f32_shape_ok
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def resolve_backend(backend: str, dtype: torch.dtype) -> str:
             raise ValueError(f"attention_backend='c' runs float32 and bfloat16, not {dtype}: "
                              "use --attention-backend torch (or auto) for this dtype")
         return "torch"
-    err = kernel_error()
+    err = ops.capabilities().why_not("paged_attention")
     if err is None:
         return "c"
     if backend == "c":
@@ -201,16 +200,17 @@ class PagedAttention:
         self.dtype = dtype
         self.scale = head_dim ** -0.5
         # Fresh prefills in bfloat16: the C kernel (prefill_attention.c, AVX-512 BF16) where it
-        # runs, 3-6x faster than SDPA on SmolLM2's chunks; float32 keeps SDPA (token-exact
-        # against transformers), as does the torch backend.
+        # runs, 3-6x faster than SDPA on SmolLM2's chunks; elsewhere, and with the torch
+        # backend, SDPA.
+        caps = ops.capabilities()
         self.prefill_kernel = (dtype == torch.bfloat16 and self.backend == "c"
                                and prefill_shape_ok(num_heads, num_kv_heads, head_dim)
-                               and prefill_kernel_error() is None)
+                               and caps.can_run("prefill_bf16"))
         # float32: its sibling (prefill_attention_f32.c, AVX-512, float32 throughout; 2.3-4.4x
         # SDPA on SmolLM2's chunks), C backend only.
         self.prefill_f32 = (dtype == torch.float32 and self.backend == "c"
                             and prefill_f32_shape_ok(num_heads, num_kv_heads, head_dim)
-                            and prefill_f32_error() is None)
+                            and caps.can_run("prefill_f32"))
         shape = (gather_buffer_blocks, block_size, num_kv_heads, head_dim)
         # Reused across layers and steps: fresh large allocations would page-fault every time.
         self.k_buf = torch.zeros(shape, dtype=dtype)

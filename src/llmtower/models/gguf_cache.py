@@ -14,12 +14,11 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from llmtower.models.gguf_convert import CONVERTER_VERSION, convert_gguf_to_hf_dir
-from llmtower.utils import cache_root
+from llmtower.utils import cache_root, cache_tmpdir
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +45,7 @@ def cached_hf_dir(gguf_path: str | Path, name: str | None = None) -> Path:
     if final.is_dir():
         return final
     root = final.parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    except OSError as e:
-        raise OSError(f"cannot write the model cache in {root} ({e}): set XDG_CACHE_HOME to a "
-                      "writable directory") from e
+    tmp = cache_tmpdir(root, f".{final.name}.tmp-", "model")
     _remove_stale_tmp_dirs(root, final.name, keep=tmp)
     logger.info("converting %s to %s (first use only)", gguf_path, final)
     start = time.perf_counter()

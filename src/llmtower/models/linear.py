@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_error, gemm_bf16_silu_mul
-from llmtower.kernels.gemm_f32 import GemmF32Weight, gemm_f32_error
-from llmtower.kernels.gemv_bf16 import GemvWeight, gemv_bf16_error
+from llmtower.kernels import ops
+from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
+from llmtower.kernels.gemm_f32 import GemmF32Weight
+from llmtower.kernels.gemv_bf16 import GemvWeight
 
 Linear = Callable[..., torch.Tensor]
 
@@ -76,7 +77,7 @@ def decode_kernel_rows(weight: PackedWeight) -> int:
     depend on how many rows run beside it."""
     if weight.f32:
         return F32_KERNEL_MAX_ROWS
-    if gemm_bf16_error() is None:
+    if ops.capabilities().can_run("gemm_bf16"):
         return max(GEMV_MAX_ROWS, BF16_KERNEL_MAX_ROWS)
     return GEMV_MAX_ROWS
 
@@ -105,7 +106,7 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
         return None
     pack = _onednn_pack(op)
     pack_both = _with_gemv(pack)
-    bf16_ok = gemm_bf16_error() is None
+    bf16_ok = ops.capabilities().can_run("gemm_bf16")
 
     def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,8 +166,8 @@ def _onednn_pack(op) -> Callable[..., torch.Tensor]:
 def _with_gemv(pack: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor | PackedWeight]:
     """``pack``, and also the decode-step kernel's copy where it runs: the few-row kernel's
     for bfloat16 matrices, ``gemm_f32``'s for float32 ones."""
-    bf16_ok = gemv_bf16_error() is None
-    f32_ok = gemm_f32_error() is None
+    caps = ops.capabilities()
+    bf16_ok, f32_ok = caps.can_run("gemv_bf16"), caps.can_run("gemm_f32")
     if pack is _identity or not (bf16_ok or f32_ok):
         return pack
 
@@ -202,8 +203,8 @@ def prepack_gate_up(gate: torch.Tensor, up: torch.Tensor
     the gate's ``PackedWeight`` also holds both matrices interleaved for it."""
     if prepack is _prepack_onednn or gate.dim() != 2:
         return prepack(gate), prepack(up)
-    if gate.dtype == torch.bfloat16 and gemv_bf16_error() is None:
+    if gate.dtype == torch.bfloat16 and ops.capabilities().can_run("gemv_bf16"):
         return PackedWeight(_prepack_onednn(gate), GemvWeight(gate, up)), _prepack_onednn(up)
-    if gate.dtype == torch.float32 and gemm_f32_error() is None:
+    if gate.dtype == torch.float32 and ops.capabilities().can_run("gemm_f32"):
         return PackedWeight(_prepack_onednn(gate), GemmF32Weight(gate, up)), _prepack_onednn(up)
     return prepack(gate), prepack(up)

@@ -19,14 +19,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtower.kernels.fused_ops import FusedOps, fused_ops_error
-from llmtower.kernels.gemm_bf16 import gemm_bf16_error
+from llmtower.kernels import ops
+from llmtower.kernels.fused_ops import FusedOps
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels.greedy_head import GreedyHead, greedy_head_error
+from llmtower.kernels.greedy_head import GreedyHead
 from llmtower.kernels import decode_layer as decode_layer_mod
-from llmtower.kernels.decode_layer import (DecodeLayers, EndParts, LayerParts,
-                                           decode_layer_error)
+from llmtower.kernels.decode_layer import DecodeLayers, EndParts, LayerParts
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
@@ -140,7 +139,7 @@ class LlamaForCausalLM:
         # calls per layer where the torch code below makes ~20; the torch code stays as the
         # fallback where no C compiler exists (and for other dtypes).
         self.fused: FusedOps | None = None
-        if dtype in (torch.float32, torch.bfloat16) and fused_ops_error() is None:
+        if dtype in (torch.float32, torch.bfloat16) and ops.capabilities().can_run("fused_ops"):
             self.fused = FusedOps(dtype)
         # Decode steps whose products take a decode-step kernel (up to a few hundred rows):
         # everything between two attentions in one C call per layer
@@ -150,7 +149,8 @@ class LlamaForCausalLM:
     def _decode_layers(self) -> DecodeLayers | None:
         """The fused decode layer's view of the weights, where it can run (bfloat16 or
         float32 float weights with the decode-step kernel's copies), else None."""
-        if len(self.layers) < 2 or self.head_dim % 2 or decode_layer_error(self.dtype) is not None \
+        if len(self.layers) < 2 or self.head_dim % 2 \
+                or ops.capabilities().why_not_in("decode_layer", self.dtype) is not None \
                 or self.config.qk_norm:  # the C layer has no step for Qwen3's q/k norms
             return None
         kernel = GemvWeight if self.dtype == torch.bfloat16 else GemmF32Weight
@@ -186,7 +186,7 @@ class LlamaForCausalLM:
         gemm_f32; bfloat16 the few-row kernel, and above it gemm_bf16 (the same sums)."""
         if self.dtype != torch.bfloat16:
             return linear_mod.F32_KERNEL_MAX_ROWS
-        if gemm_bf16_error() is not None:
+        if not ops.capabilities().can_run("gemm_bf16"):
             return linear_mod.GEMV_MAX_ROWS
         return max(linear_mod.GEMV_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS)
 
@@ -408,7 +408,7 @@ def _greedy_head(plain: Weight, head: Weight) -> GreedyHead | None:
     """The output layer's greedy screen, where its products take a decode-step kernel whose
     sums the screen repeats (``kernels/greedy_head.py``); None elsewhere."""
     if type(head) is not PackedWeight or not isinstance(plain, torch.Tensor) \
-            or greedy_head_error() is not None:
+            or not ops.capabilities().can_run("greedy_head"):
         return None
     kernel = head.gemv
     if kernel.path != 0 or kernel.silu_pair or plain.dtype not in (torch.bfloat16, torch.float32):

@@ -119,11 +119,6 @@ def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedTen
     return QuantizedTensor("int4", q.view(n, k), scale, lo + 8.0 * scale, group_size)
 
 
-def requantize_int8(t: QuantizedTensor) -> QuantizedTensor:
-    """Per-group int8 (GGUF Q8_0) -> int8 with one scale per row (the kernel torch has)."""
-    return quantize_int8(t.dequantize())
-
-
 def int4_supported(shape: tuple[int, int], group_size: int = INT4_GROUP) -> bool:
     """Whether torch's CPU int4 kernel takes a [N, K] matrix."""
     n, k = shape

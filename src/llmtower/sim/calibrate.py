@@ -36,6 +36,7 @@ from llmtower.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmtower.sim.batch_tracker import BatchTracker, StepShape
 from llmtower.sim.profiles import (DeviceProfile, ModelProfile, available, load_model,
                                    save_profile, user_profile_dir)
+from llmtower.utils import cpu_info
 
 DEFAULT_CONTEXTS = (32, 256, 1024)
 DEFAULT_DECODE_BATCHES = (1, 4, 16, 64)
@@ -217,13 +218,7 @@ def _total_memory() -> float:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return cpu_info().model_name or platform.processor() or "unknown CPU"
 
 
 # ---------------------------------------------------------------------- measuring

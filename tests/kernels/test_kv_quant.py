@@ -7,7 +7,7 @@ import torch
 
 from llmtower.engine.args import EngineArgs
 from llmtower.executor.kv_cache import KVCache, bytes_per_block
-from llmtower.executor.kv_quant import dequantize, quantize, resolve_kv_cache_dtype, write_slots
+from llmtower.kernels.kv_quant import dequantize, quantize, resolve_kv_cache_dtype, write_slots
 from llmtower.models.config import ModelConfig
 
 
