@@ -189,7 +189,7 @@ def test_raw_events_and_responses_validate_as_the_sdk_types(tiny_server):
     adapter = TypeAdapter(ResponseStreamEvent)
     url = f"{tiny_server.base_url}/v1/responses"
     for choice in ("required", {"type": "function", "name": "get_time"}, "none"):
-        body = dict(model=MODEL, input="Time?", tools=[WEATHER, TIME], tool_choice=choice,
+        body = dict(model=MODEL, input="Time?", tools=[WEATHER, TIME], tool_choice=choice, seed=3,
                     **SAMPLED)
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
             events = [adapter.validate_python(json.loads(line[len("data: "):]))
