@@ -181,7 +181,7 @@ class ModelRunner:
         no drafts): the same arrays with a third of the numpy calls. Each token is its
         request's whole query, so the flat batch is the requests sorted by context length and
         a token's flat row is its request's first (and last) row."""
-        batch, bs = self.batch, self.block_size
+        batch = self.batch
         n = len(req_ids)
         start = batch.num_computed_tokens[rows]
         end = start + 1
@@ -193,12 +193,7 @@ class ModelRunner:
         else:
             order = np.argsort(end, kind="stable")
             o_rows, positions, o_end = rows[order], start[order], end[order]
-        block_idx = positions // bs
-        if (block_idx >= batch.num_blocks[o_rows]).any():
-            raise RuntimeError("a scheduled token has no KV block in its request's block table: "
-                               "the scheduler's block ids and the runner's disagree")
-        slots = batch.block_table[o_rows, block_idx] * bs + positions % bs
-        input_ids = batch.token_ids[o_rows, positions].astype(np.int64)
+        slots, input_ids = self._slots_and_ids(o_rows, positions)
         batch.num_computed_tokens[rows] = end
         sample_mask = end >= num_tokens
         flat_row = np.empty(n, dtype=np.int64)  # each request's flat row, in request order
@@ -210,6 +205,19 @@ class ModelRunner:
                           rows[sample_mask],
                           plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_row))
 
+    def _slots_and_ids(self, tok_rows: np.ndarray, positions: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Each scheduled token's KV slot and token id, from its request's batch row and its
+        position; a token past its request's block table is the scheduler and the runner
+        disagreeing, never silently written elsewhere."""
+        batch, bs = self.batch, self.block_size
+        block_idx = positions // bs
+        if (block_idx >= batch.num_blocks[tok_rows]).any():
+            raise RuntimeError("a scheduled token has no KV block in its request's block table: "
+                               "the scheduler's block ids and the runner's disagree")
+        slots = batch.block_table[tok_rows, block_idx] * bs + positions % bs
+        return slots, batch.token_ids[tok_rows, positions].astype(np.int64)
+
     @staticmethod
     def _check_not_past(end: np.ndarray, num_tokens: np.ndarray, req_ids: list[str]) -> None:
         if (end > num_tokens).any():
@@ -219,7 +227,7 @@ class ModelRunner:
 
     def _prepare_general(self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray,
                          num_spec: np.ndarray | None) -> StepInputs:
-        batch, bs = self.batch, self.block_size
+        batch = self.batch
         n = len(req_ids)
         start = batch.num_computed_tokens[rows]
         end = start + num_sched
@@ -239,12 +247,7 @@ class ModelRunner:
         total = int(cu[-1])
         tok_rows = np.repeat(o_rows, o_sched)
         positions = np.arange(total, dtype=np.int64) + np.repeat(o_start - first, o_sched)
-        block_idx = positions // bs
-        if (block_idx >= batch.num_blocks[tok_rows]).any():
-            raise RuntimeError("a scheduled token has no KV block in its request's block table: "
-                               "the scheduler's block ids and the runner's disagree")
-        slots = batch.block_table[tok_rows, block_idx] * bs + positions % bs
-        input_ids = batch.token_ids[tok_rows, positions].astype(np.int64)
+        slots, input_ids = self._slots_and_ids(tok_rows, positions)
         batch.num_computed_tokens[rows] = end
         # Sampled: requests whose computed tokens reach the end of their sequence, in the
         # scheduler's order, each from the flat row of its last token.
