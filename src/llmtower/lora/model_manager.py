@@ -30,6 +30,7 @@ class LoRAModelManager:
         self.max_cpu_loras = max_cpu_loras
         self.max_lora_rank = max_lora_rank
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._users: dict[int, int] = {}  # lora_int_id -> requests in the runner using it
         self._stack: StackedLoRA | None = None
 
     def load(self, req: LoRARequest) -> LoRAAdapter:
@@ -48,15 +49,40 @@ class LoRAModelManager:
     def add(self, adapter: LoRAAdapter) -> None:
         self.adapters[adapter.int_id] = adapter
         self.adapters.move_to_end(adapter.int_id)
-        active = self._stack.ids if self._stack is not None else ()
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used first, never one a held request runs with (a step's adapters
+        must all be here): past max_cpu_loras only while every held adapter is in use."""
         while len(self.adapters) > self.max_cpu_loras:
-            victim = next((i for i in self.adapters if i not in active
-                           and i != adapter.int_id), None)
+            victim = next((i for i in self.adapters if not self._users.get(i)), None)
             if victim is None:
                 break
             del self.adapters[victim]
+            if self._stack is not None and victim in self._stack.ids:
+                self._stack = None
+
+    def hold(self, req: LoRARequest) -> None:
+        """A request with this adapter joined the runner: load it (if evicted) and keep it."""
+        self.load(req)
+        self._users[req.lora_int_id] = self._users.get(req.lora_int_id, 0) + 1
+
+    def release(self, int_id: int) -> None:
+        """A request with this adapter left the runner."""
+        left = self._users.get(int_id, 0) - 1
+        if left > 0:
+            self._users[int_id] = left
+        else:
+            self._users.pop(int_id, None)
+            self._evict()
+
+    def in_use(self, int_id: int) -> bool:
+        return bool(self._users.get(int_id))
 
     def remove(self, int_id: int) -> bool:
+        """Forget an adapter (False: not held); refused while a request uses it."""
+        if self._users.get(int_id):
+            raise ValueError(f"adapter {int_id} is in use by {self._users[int_id]} requests")
         if self._stack is not None and int_id in self._stack.ids:
             self._stack = None
         return self.adapters.pop(int_id, None) is not None

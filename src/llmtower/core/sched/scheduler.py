@@ -37,6 +37,7 @@ from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCo
                                    SchedulerOutput, SchedulerStats)
 from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.degradation import DegradationConfig, DegradationController
+from llmtower.core.sched.lora_slots import lora_slots
 from llmtower.core.sched.policy import make_policy
 from llmtower.structured_output.manager import StructuredOutputManager
 from llmtower.spec_decode.scheduling import SpecDecodingStats, apply_verification, next_drafts
@@ -306,11 +307,15 @@ class Scheduler:
 
         # --- 2. swapped requests come back first, if memory is not under pressure ---------
         if not step.preempted:
+            loras = lora_slots(cfg.max_loras, self.running) if self.swapped else None
             while self.swapped and step.budget > 0 and len(self.running) < step.max_seqs:
                 req = self.swapped[0]
                 n = self._num_new_tokens(req, req.num_computed_tokens, step)
-                if n == 0 or not self.kv.can_swap_in(req, n):
+                if n == 0 or not self.kv.can_swap_in(req, n) or (
+                        loras is not None and not loras.admits(req)):
                     break
+                if loras is not None:
+                    loras.add(req)
                 self.swapped.popleft()
                 step.swap_in.extend(self.kv.swap_in(req, step.swap_in_int8))
                 self.num_swap_ins += 1
@@ -338,8 +343,17 @@ class Scheduler:
         cfg = self.config
         skipped: list[Request] = []
         displaced: list[Request] = []  # preempted by priority here; requeued after the scan
+        loras = lora_slots(cfg.max_loras, self.running)  # None: LoRA off
         while self.waiting and step.budget > 0 and len(skipped) < MAX_SKIPS_PER_STEP:
             req = self.waiting.peek()
+            if loras is not None and not loras.admits(req):
+                # Its adapter would make one too many: it waits as one that does not fit
+                # (skipped, never overtaken more than max_bypass times).
+                self.waiting.pop()
+                skipped.append(req)
+                if req.num_bypassed >= cfg.max_bypass:
+                    break
+                continue
             if len(self.running) >= step.max_seqs:
                 if not self._preempt_lower_priority(req, step, now, displaced):
                     break
@@ -372,6 +386,8 @@ class Scheduler:
             if not req.times.first_scheduled:
                 req.times.first_scheduled = now
             self.policy.on_admit(req)
+            if loras is not None:
+                loras.add(req)
             self.running.append(req)
             if req.request_id in self._executor_has:
                 step.resumed.add(req.request_id)
@@ -560,7 +576,7 @@ class Scheduler:
                 self._executor_has.add(rid)
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                self.kv.get_block_ids(rid), req.num_computed_tokens,
-                                               req.eos_token_id))
+                                               req.eos_token_id, req.lora_request))
             elif rid in step.resumed:
                 self._forced_token_ids.pop(rid, None)  # all outputs travel below
                 cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
