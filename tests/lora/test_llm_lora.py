@@ -87,3 +87,24 @@ def test_bad_adapter_refused_with_reason(tiny_llama_dir, tiny_adapters):
         llm.generate([PROMPTS[0]], greedy(), use_tqdm=False,
                      lora_request=LoRARequest("x", 4, "/nonexistent/adapter"))
     assert llm.generate([PROMPTS[0]], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_unload_refused_while_in_use_then_allowed(tiny_llama_dir, tiny_adapters):
+    from llmtower.core.outputs import EngineCoreRequest
+
+    llm = make_llm(tiny_llama_dir)
+    core = llm.engine_core
+    lora = LoRARequest("all", 1, str(tiny_adapters["all"]))
+    core.add_request(EngineCoreRequest("r", PROMPTS[0], greedy(4), eos_token_id=2,
+                                       lora_request=lora))
+    core.step()
+    with pytest.raises(ValueError, match="in use by 1 unfinished requests"):
+        core.remove_lora(1)
+    assert core.list_loras() == [1]
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.remove_lora(1) is True
+    # The runner lets go of the finished request with the next step that runs: the adapter
+    # leaves memory then.
+    llm.generate([PROMPTS[1]], greedy(1), use_tqdm=False)
+    assert core.list_loras() == []

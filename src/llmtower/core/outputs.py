@@ -236,6 +236,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     num_pinned_blocks: int = 0
     degradation_level: int = 0
     degradation_actions: dict[str, int] = {}
+    # --enable-lora (vllm:lora_requests_info): the step limit and the adapters of running and
+    # waiting requests, by name (max_lora 0: LoRA off).
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

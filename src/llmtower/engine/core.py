@@ -58,7 +58,7 @@ class EngineCore:
             arrival_time=req.arrival_time or None, cache_salt=req.cache_salt, tenant=req.tenant,
             lora_request=req.lora_request))
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
+    def add_lora(self, lora_request: LoRARequest | dict) -> bool:
         """Load a LoRA adapter (vLLM's ``add_lora``); ValueError with the reason when LoRA
         is off or the adapter cannot be served on this model."""
         return lora_ops.add_lora(self.executor, lora_request)

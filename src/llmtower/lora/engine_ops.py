@@ -8,7 +8,9 @@ from llmtower.lora.peft_loader import LoRAAdapterError
 from llmtower.lora.request import LoRARequest
 
 
-def add_lora(executor: Any, lora_request: LoRARequest) -> bool:
+def add_lora(executor: Any, lora_request: LoRARequest | dict) -> bool:
+    if isinstance(lora_request, dict):  # a utility call's argument arrives as a map
+        lora_request = LoRARequest(**lora_request)
     add = getattr(executor, "add_lora", None)
     if add is None:
         raise ValueError("this executor runs no LoRA adapters")

@@ -31,6 +31,7 @@ class LoRAModelManager:
         self.max_lora_rank = max_lora_rank
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._users: dict[int, int] = {}  # lora_int_id -> requests in the runner using it
+        self._doomed: set[int] = set()  # removed while in use: dropped when released
         self._stack: StackedLoRA | None = None
 
     def load(self, req: LoRARequest) -> LoRAAdapter:
@@ -65,6 +66,7 @@ class LoRAModelManager:
     def hold(self, req: LoRARequest) -> None:
         """A request with this adapter joined the runner: load it (if evicted) and keep it."""
         self.load(req)
+        self._doomed.discard(req.lora_int_id)
         self._users[req.lora_int_id] = self._users.get(req.lora_int_id, 0) + 1
 
     def release(self, int_id: int) -> None:
@@ -74,15 +76,20 @@ class LoRAModelManager:
             self._users[int_id] = left
         else:
             self._users.pop(int_id, None)
+            if int_id in self._doomed:
+                self._doomed.discard(int_id)
+                self.remove(int_id)
             self._evict()
 
     def in_use(self, int_id: int) -> bool:
         return bool(self._users.get(int_id))
 
     def remove(self, int_id: int) -> bool:
-        """Forget an adapter (False: not held); refused while a request uses it."""
+        """Forget an adapter (False: not held). Requests the runner still holds (finished
+        ones whose release comes with the next step) keep it until they leave."""
         if self._users.get(int_id):
-            raise ValueError(f"adapter {int_id} is in use by {self._users[int_id]} requests")
+            self._doomed.add(int_id)
+            return True
         if self._stack is not None and int_id in self._stack.ids:
             self._stack = None
         return self.adapters.pop(int_id, None) is not None

@@ -24,6 +24,8 @@ from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineDeadError, EngineStartupError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
 from llmtower.metrics.http import HTTPMetricsMiddleware
+from llmtower.lora.serving_args import runtime_updating_allowed
+from llmtower.server.lora_routes import build_lora_router, lora_model_card, lora_model_cards
 from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.admin_memory import preload_at_start
@@ -154,6 +156,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.include_router(build_admin_router(llm))
     app.include_router(build_responses_router(chat))
     app.include_router(build_probe_router(llm))
+    if llm.engine_args.enable_lora and runtime_updating_allowed(
+            llm.engine_args.enable_lora_runtime_updating):
+        app.include_router(build_lora_router(llm))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -172,13 +177,16 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in llm.served_model_names])
+        return ModelList(data=[model_card(name) for name in llm.served_model_names]
+                         + lora_model_cards(llm, settings.expose_model_path))
 
     # OpenAI's GET /v1/models/{model} (the SDK's models.retrieve); ids may hold slashes.
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         completions.check_model(model)
-        return model_card(model)
+        lora = completions.lora_request(model)
+        return model_card(model) if lora is None else lora_model_card(
+            llm, lora, settings.expose_model_path)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,6 +3,7 @@ so that no step holds more (every running request may run in any step)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from llmtower.core.request import Request
 
@@ -32,3 +33,18 @@ class LoRASlots:
 def lora_slots(max_loras: int, running: Iterable[Request]) -> LoRASlots | None:
     """This step's slots, or None when LoRA is off (``max_loras`` 0): no cost per step."""
     return LoRASlots(max_loras, running) if max_loras > 0 else None
+
+
+def lora_stats(max_loras: int, running: Iterable[Request], waiting: Iterable[Request]
+               ) -> dict[str, Any]:
+    """SchedulerStats' LoRA fields: the adapters of running and waiting requests by name, in
+    the order first seen (empty when LoRA is off)."""
+    if max_loras <= 0:
+        return {}
+
+    def names(reqs: Iterable[Request]) -> list[str]:
+        return list(dict.fromkeys(r.lora_request.lora_name for r in reqs
+                                  if r.lora_request is not None))
+
+    return {"max_lora": max_loras, "running_lora_adapters": names(running),
+            "waiting_lora_adapters": names(waiting)}

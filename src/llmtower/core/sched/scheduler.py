@@ -37,7 +37,7 @@ from llmtower.core.outputs import (CachedRequestData, EngineCoreOutput, EngineCo
                                    SchedulerOutput, SchedulerStats)
 from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.degradation import DegradationConfig, DegradationController
-from llmtower.core.sched.lora_slots import lora_slots
+from llmtower.core.sched.lora_slots import lora_slots, lora_stats
 from llmtower.core.sched.policy import make_policy
 from llmtower.structured_output.manager import StructuredOutputManager
 from llmtower.spec_decode.scheduling import SpecDecodingStats, apply_verification, next_drafts
@@ -838,6 +838,7 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
+            **lora_stats(self.config.max_loras, self.running, self.waiting),
             num_block_moves_total=self.relocator.num_moves_total,
             num_pinned_blocks=len(kv.pinned),
             degradation_level=self.degradation.level,
