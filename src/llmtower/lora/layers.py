@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from llmtower.lora.punica import LoRAStep
+from llmtower.kernels.gemm_f32 import GemmF32Weight
+from llmtower.models import linear as linear_mod
 from llmtower.models.linear import PackedWeight, linear, silu_mul
 
 if TYPE_CHECKING:
@@ -43,8 +45,7 @@ def mlp(lora: LoRAStep, layer: int, x: torch.Tensor, w: DecoderLayerWeights) -> 
         act = F.silu(y[:, :i]).mul_(y[:, i:])
     elif lora.targets("gate_up"):
         assert w.gate is not None and w.up is not None
-        g = linear(x, _plain(w.gate))
-        u = linear(x, _plain(w.up))
+        g, u = _gate_and_up(x, w.gate, w.up)
         lora.add(layer, "gate_up", x, g, u)
         act = F.silu(g).mul_(u)
     else:
@@ -53,6 +54,18 @@ def mlp(lora: LoRAStep, layer: int, x: torch.Tensor, w: DecoderLayerWeights) -> 
     if lora.targets("down"):
         lora.add(layer, "down", act, out)
     return out
+
+
+def _gate_and_up(x: torch.Tensor, gate: torch.Tensor | PackedWeight,
+                 up: torch.Tensor | PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's and up's products apart: from the fused pair's panels in one pass where
+    the float32 decode kernel holds them (as ``silu_mul`` would read them), else two
+    oneDNN products."""
+    if isinstance(gate, PackedWeight) and isinstance(gate.gemv, GemmF32Weight) \
+            and gate.gemv.silu_pair and x.shape[0] <= linear_mod.F32_KERNEL_MAX_ROWS \
+            and x.dtype == torch.float32:
+        return gate.gemv.pair_products(x.contiguous())
+    return linear(x, _plain(gate)), linear(x, _plain(up))
 
 
 def _plain(w: torch.Tensor | PackedWeight) -> torch.Tensor:

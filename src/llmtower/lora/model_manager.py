@@ -114,4 +114,4 @@ class LoRAModelManager:
                                       self.dtype)
         slot = np.searchsorted(active, token_lora_ids)
         slot[token_lora_ids <= 0] = -1
-        return LoRAStep(self._stack, torch.from_numpy(slot.astype(np.int64)))
+        return LoRAStep(self._stack, slot.astype(np.int64))

@@ -1,21 +1,21 @@
 """The step's batched low-rank product (vLLM's punica "shrink then expand", on CPU).
 
 The base product runs once over all rows; then, per fused product, the rows that carry an
-adapter add ``(x @ A.T) @ B.T`` of their own adapter. The active adapters' A matrices are
-stacked into one matrix per layer (columns grouped by projection, then by adapter), so that
-one GEMM shrinks every LoRA row against every active adapter; a 0/1 mask keeps each row's own
-adapter's columns; one GEMM per projection expands them. Two GEMMs per product whatever the
-number of adapters, where a loop per adapter would make hundreds of small calls a step; the
-extra multiply-adds (rows x other adapters' ranks) are small next to the base product's at
-the ranks LoRA uses. Rows without an adapter are left out of both GEMMs, and a step with no
-adapter rows never reaches this module.
+adapter add ``(x @ A.T) @ B.T`` of their own adapter. The step's adapter rows are gathered
+into one padded block per adapter ([adapters, rows of the busiest one, in]) and every
+adapter's product runs in one batched GEMM (``torch.bmm``): a shrink per fused product (the
+q, k and v matrices of an adapter side by side) and an expand per projection, then one
+scatter-add back to the rows. A few calls per product whatever the number of adapters, each
+row multiplied by its own adapter only (no work spent on others' ranks), where a loop over
+adapters would make hundreds of small calls a step. Rows without an adapter are never
+gathered, and a step with no adapter rows never reaches this module.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llmtower.lora.adapter import GROUPS, LoRAAdapter
 
@@ -23,7 +23,7 @@ from llmtower.lora.adapter import GROUPS, LoRAAdapter
 @dataclass
 class _Part:
     """One projection of a fused product: its output's index among the group's outputs, its
-    columns in the stacked A, and its B per layer [out, columns] (scaled)."""
+    columns in the shrink's output, and per layer B [adapters, rank, out] (scaled)."""
 
     out_index: int
     cols: slice
@@ -32,44 +32,42 @@ class _Part:
 
 @dataclass
 class _GroupStack:
-    """The active adapters' matrices for one fused product (e.g. q/k/v): ``a`` per layer
-    [columns, in]; ``col_slot`` [columns]: which active adapter owns each column."""
+    """The active adapters' matrices for one fused product (e.g. q/k/v): per layer A
+    [adapters, in, columns], the columns of each targeted projection side by side."""
 
     a: list[torch.Tensor]
     parts: list[_Part]
-    col_slot: torch.Tensor
 
 
 class StackedLoRA:
-    """Owns the stacked matrices of one set of active adapters (slot i = ``adapters[i]``);
-    built when the step's set of adapters changes, reused while it stays the same."""
+    """Owns the stacked matrices of one set of active adapters (slot i = ``adapters[i]``),
+    each zero-padded to the set's highest rank; built when the step's set of adapters
+    changes, reused while it stays the same."""
 
     def __init__(self, adapters: list[LoRAAdapter], num_layers: int, dtype: torch.dtype) -> None:
         self.ids = tuple(a.int_id for a in adapters)
         self.dtype = dtype
+        n = len(adapters)
+        r = max(a.rank for a in adapters)
         self.groups: dict[str, _GroupStack] = {}
         for group, modules in GROUPS.items():
-            a_cols: list[torch.Tensor] = []  # [L, r, in] blocks in column order
-            slots: list[int] = []
-            parts: list[_Part] = []
-            col = 0
-            for k, module in enumerate(modules):
-                users = [(s, ad) for s, ad in enumerate(adapters) if module in ad.a]
-                if not users:
-                    continue
-                start = col
-                for s, ad in users:
-                    a_cols.append(ad.a[module])
-                    slots += [s] * ad.rank
-                    col += ad.rank
-                b = torch.cat([ad.b[module] for _, ad in users], dim=2)  # [L, out, cols]
-                parts.append(_Part(k, slice(start, col), [b[i].contiguous()
-                                                          for i in range(num_layers)]))
-            if not parts:
+            targeted = [(k, m) for k, m in enumerate(modules) if any(m in a.a for a in adapters)]
+            if not targeted:
                 continue
-            a = torch.cat(a_cols, dim=1)  # [L, columns, in]
-            self.groups[group] = _GroupStack([a[i].contiguous() for i in range(num_layers)],
-                                             parts, torch.tensor(slots, dtype=torch.int64))
+            d_in = next(a.a[m].shape[2] for _, m in targeted for a in adapters if m in a.a)
+            a_all = torch.zeros(num_layers, n, d_in, r * len(targeted), dtype=dtype)
+            parts = []
+            for j, (k, m) in enumerate(targeted):
+                d_out = next(a.b[m].shape[1] for a in adapters if m in a.b)
+                b_all = torch.zeros(num_layers, n, r, d_out, dtype=dtype)
+                for s, ad in enumerate(adapters):
+                    if m in ad.a:  # [L, rank, in] -> [L, in, rank]; [L, out, rank] -> [L, rank, out]
+                        a_all[:, s, :, j * r:j * r + ad.rank] = ad.a[m].transpose(1, 2)
+                        b_all[:, s, :ad.rank, :] = ad.b[m].transpose(1, 2)
+                parts.append(_Part(k, slice(j * r, (j + 1) * r),
+                                   [b_all[i].contiguous() for i in range(num_layers)]))
+            self.groups[group] = _GroupStack([a_all[i].contiguous() for i in range(num_layers)],
+                                             parts)
 
 
 class LoRAStep:
@@ -77,25 +75,36 @@ class LoRAStep:
     ``stack`` (-1: no adapter). ``add`` adds the rows' low-rank products to a fused product's
     outputs; ``select`` follows the model when it keeps only the sampled rows."""
 
-    def __init__(self, stack: StackedLoRA, row_slot: torch.Tensor) -> None:
+    def __init__(self, stack: StackedLoRA, row_slot: np.ndarray) -> None:
         self.stack = stack
         self.row_slot = row_slot
-        has = row_slot >= 0
-        self.num_rows = int(has.sum())
-        # None: every row has an adapter (no gather or scatter).
-        self.rows = None if self.num_rows == row_slot.shape[0] else torch.nonzero(has).view(-1)
-        slots = row_slot if self.rows is None else row_slot.index_select(0, self.rows)
-        single = len(stack.ids) == 1  # every LoRA row's columns are all the columns
-        self.masks: dict[str, torch.Tensor | None] = {
-            g: None if single else (slots[:, None] == gs.col_slot[None, :]).to(stack.dtype)
-            for g, gs in stack.groups.items()}
+        rows = np.flatnonzero(row_slot >= 0)
+        self.num_rows = len(rows)
+        n = len(stack.ids)
+        # The padded layout: adapter s's rows in gather[s, :count[s]], the rest row 0 (their
+        # shrink is zeroed by ``valid``, so they add nothing to row 0).
+        slots = row_slot[rows]
+        order = np.argsort(slots, kind="stable")
+        rows, slots = rows[order], slots[order]
+        counts = np.bincount(slots, minlength=n)
+        m = int(counts.max()) if self.num_rows else 0
+        starts = np.cumsum(counts) - counts
+        within = np.arange(self.num_rows) - starts[slots]
+        gather = np.zeros((n, m), dtype=np.int64)
+        gather[slots, within] = rows
+        valid = np.zeros((n, m, 1), dtype=np.float32)
+        valid[slots, within] = 1.0
+        self.m = m
+        self.gather = torch.from_numpy(gather.reshape(-1))
+        self.padded = self.num_rows < n * m
+        self.valid = torch.from_numpy(valid).to(stack.dtype)
 
     def targets(self, group: str) -> bool:
         """Whether some row of this step has an adapter on ``group`` (a key of GROUPS)."""
         return self.num_rows > 0 and group in self.stack.groups
 
     def select(self, index: torch.Tensor) -> LoRAStep:
-        return LoRAStep(self.stack, self.row_slot.index_select(0, index))
+        return LoRAStep(self.stack, self.row_slot[index.numpy()])
 
     def add(self, layer: int, group: str, x: torch.Tensor, *outs: torch.Tensor) -> None:
         """``outs[k] += `` the LoRA rows' product for the group's k-th projection (in place;
@@ -103,16 +112,11 @@ class LoRAStep:
         gs = self.stack.groups.get(group)
         if gs is None or self.num_rows == 0:
             return
-        rows = self.rows
-        xs = x if rows is None else x.index_select(0, rows)
-        s = F.linear(xs, gs.a[layer])
-        mask = self.masks[group]
-        if mask is not None:
-            s.mul_(mask)
+        n = len(self.stack.ids)
+        xs = x.index_select(0, self.gather).view(n, self.m, x.shape[1])
+        s = torch.bmm(xs, gs.a[layer])  # [n, m, columns]
+        if self.padded:
+            s.mul_(self.valid)
         for part in gs.parts:
-            delta = F.linear(s[:, part.cols], part.b[layer])
-            out = outs[part.out_index]
-            if rows is None:
-                out.add_(delta)
-            else:
-                out.index_add_(0, rows, delta)
+            delta = torch.bmm(s[:, :, part.cols], part.b[layer])  # [n, m, out]
+            outs[part.out_index].index_add_(0, self.gather, delta.view(n * self.m, -1))
