@@ -59,3 +59,24 @@ def test_pair_products_read_gate_and_up_apart(n):
     gate, up = GemmF32Weight(g, u).pair_products(x)
     torch.testing.assert_close(gate, x @ g.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(up, x @ u.T, rtol=1e-5, atol=1e-5)
+
+
+def test_segmented_form_equals_padded_form():
+    """One adapter's prefill chunk beside single rows of others: the segmented form (chosen
+    for the padding it saves) gives what the padded form gives."""
+    adapters = [_adapter(1, 4, ("q_proj", "k_proj"), 1), _adapter(2, 8, ("v_proj",), 2),
+                _adapter(3, 2, ("q_proj",), 3)]
+    stack = StackedLoRA(adapters, LAYERS, torch.float32)
+    row_slot = np.array([1, 2, -1] + [0] * 20)
+    x = torch.randn(len(row_slot), D_IN)
+    seg = LoRAStep(stack, row_slot)
+    assert seg.segments is not None
+    pad = LoRAStep(stack, row_slot)
+    pad.segments = None
+    outs = []
+    for step in (seg, pad):
+        qkv = torch.zeros(len(row_slot), D_Q + 2 * D_KV)
+        step.add(1, "qkv", x, qkv[:, :D_Q], qkv[:, D_Q:D_Q + D_KV], qkv[:, D_Q + D_KV:])
+        outs.append(qkv)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert outs[0][0, D_Q + D_KV:].any() and not outs[0][2].any()

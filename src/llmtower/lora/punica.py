@@ -8,7 +8,9 @@ q, k and v matrices of an adapter side by side) and an expand per projection, th
 scatter-add back to the rows. A few calls per product whatever the number of adapters, each
 row multiplied by its own adapter only (no work spent on others' ranks), where a loop over
 adapters would make hundreds of small calls a step. Rows without an adapter are never
-gathered, and a step with no adapter rows never reaches this module.
+gathered, and a step with no adapter rows never reaches this module. Where padding would
+more than double the work (a prefill chunk of one adapter beside single decode rows of
+others), each adapter's rows run as their own pair of GEMMs instead (the segmented form).
 """
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ import numpy as np
 import torch
 
 from llmtower.lora.adapter import GROUPS, LoRAAdapter
+
+
+# Most padded rows per adapter row before a step takes the segmented form.
+PADDING_LIMIT = 2
 
 
 @dataclass
@@ -98,6 +104,11 @@ class LoRAStep:
         self.gather = torch.from_numpy(gather.reshape(-1))
         self.padded = self.num_rows < n * m
         self.valid = torch.from_numpy(valid).to(stack.dtype)
+        # (slot, its rows) per adapter with rows, where padding would waste more than it saves.
+        self.segments: list[tuple[int, torch.Tensor]] | None = None
+        if n * m > PADDING_LIMIT * self.num_rows:
+            self.segments = [(s, torch.from_numpy(rows[starts[s]:starts[s] + counts[s]]))
+                             for s in range(n) if counts[s]]
 
     def targets(self, group: str) -> bool:
         """Whether some row of this step has an adapter on ``group`` (a key of GROUPS)."""
@@ -111,6 +122,12 @@ class LoRAStep:
         views of a fused output are fine), ``x`` [rows, in] being the product's input."""
         gs = self.stack.groups.get(group)
         if gs is None or self.num_rows == 0:
+            return
+        if self.segments is not None:
+            for slot, rows in self.segments:
+                s = x.index_select(0, rows) @ gs.a[layer][slot]
+                for part in gs.parts:
+                    outs[part.out_index].index_add_(0, rows, s[:, part.cols] @ part.b[layer][slot])
             return
         n = len(self.stack.ids)
         xs = x.index_select(0, self.gather).view(n, self.m, x.shape[1])
