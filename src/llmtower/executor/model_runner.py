@@ -13,6 +13,7 @@ One step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,7 +124,7 @@ class ModelRunner:
         indices = inputs.logits_indices if plan is None else torch.cat(
             [inputs.logits_indices, plan.flat_rows])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
-                            self.attn, inputs.meta, indices, lora=lora)
+                            self.attn, inputs.meta, indices, **_lora_kw(lora))
         prompt_lps = None
         if plan is not None:  # the prompt rows come after the sampled ones
             num_sampled = len(inputs.logits_indices)
@@ -173,7 +174,7 @@ class ModelRunner:
         the grammars' bitmasks and the min_tokens masks)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
                             self.attn, inputs.meta, inputs.logits_indices, head=False,
-                            lora=lora)
+                            **_lora_kw(lora))
         allow = None
         words = -(-self.model.config.vocab_size // 32)
         if so.grammar_bitmask is not None:
@@ -335,3 +336,9 @@ class ModelRunner:
                 if entry is not None:
                     out_lp[i].append(entry)
         return ModelRunnerOutput(req_ids, sampled, out_lp)
+
+
+def _lora_kw(lora: LoRAStep | None) -> dict[str, Any]:
+    """The model's ``lora`` argument, passed only when the step has adapter rows (a step
+    without them calls the model exactly as before LoRA existed)."""
+    return {} if lora is None else {"lora": lora}
