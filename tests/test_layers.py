@@ -3,7 +3,7 @@
 A newcomer should be able to read the tree bottom-up: every module may import modules of its own
 layer or of a lower one, never of a higher one. The order (bottom -> top):
 
-    utils < kernels < models < structured_output
+    utils < kernels < lora < models < structured_output
       < core (core/*.py < core/kv_cache < core/sched) < spec_decode < executor < metrics
       < distributed < engine < bench < sim < server < cli
 
@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "llmtower"
 # Bottom -> top; a subpackage named here ranks on its own, otherwise a module ranks with its
 # top-level package. core's three tiers: its plain modules, then the KV cache, then the scheduler.
 LAYERS: list[str] = [
-    "utils", "kernels", "models", "structured_output",
+    "utils", "kernels", "lora", "models", "structured_output",
     "core", "core.kv_cache", "core.sched",
     "spec_decode", "executor", "metrics", "distributed", "engine", "bench", "sim", "server", "cli",
 ]

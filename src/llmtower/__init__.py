@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.lora.request import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -49,6 +49,8 @@ class SchedulerConfig:
     - ``max_bypass``: how many later requests may overtake a waiting request that does not fit
       before the scheduler stops admitting anyone behind it (no starvation, no head-of-line
       blocking).
+    - ``max_loras``: most distinct LoRA adapters among running requests, hence in a step
+      (0: LoRA off); a request whose adapter would exceed it waits like one that does not fit.
     """
 
     max_num_seqs: int = 256
@@ -68,6 +70,7 @@ class SchedulerConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # Why max_model_len is what it is, when the model forced it (named in admission errors).
     max_model_len_reason: str = ""
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
@@ -92,6 +95,7 @@ class SchedulerConfig:
         _require(self.max_num_queued_tokens >= 0, "max_num_queued_tokens",
                  self.max_num_queued_tokens, "an integer >= 0 (0 means unlimited)")
         _require(self.max_bypass >= 0, "max_bypass", self.max_bypass, "an integer >= 0")
+        _require(self.max_loras >= 0, "max_loras", self.max_loras, "an integer >= 0 (0: off)")
         _require(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s",
                  self.sjf_aging_tokens_per_s, "a number >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int
     # The request's EOS, which the sampler masks until min_tokens outputs exist.
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -137,6 +139,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     tenant: str = ""  # who is served, for --policy fair (the OpenAI `user` / X-Tenant)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class RequestMetrics(msgspec.Struct, omit_defaults=True):
@@ -229,6 +232,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=False):
     num_pinned_blocks: int = 0
     degradation_level: int = 0
     degradation_actions: dict[str, int] = {}
+    # --enable-lora (vllm:lora_requests_info): the step limit and the adapters of running and
+    # waiting requests, by name (max_lora 0: LoRA off).
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

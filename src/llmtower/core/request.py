@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from llmtower.core.sampling_params import SamplingParams
+from llmtower.lora.request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,7 +83,7 @@ class Request:
         "block_hashes", "times", "stop_reason", "num_bypassed", "sort_key",
         "seq", "queue_entry", "queued_tokens", "tenant",
         "spec_token_ids", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-        "structured_output", "prompt_logprobs", "num_output_placeholders",
+        "structured_output", "prompt_logprobs", "num_output_placeholders", "lora_request",
     )
 
     def __init__(
@@ -95,6 +96,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt: send at least one token")
@@ -138,6 +140,7 @@ class Request:
         # --async-scheduling: tokens that steps in flight will sample for this request, not
         # in all_token_ids yet; the scheduler counts them as if they were (always 0 otherwise).
         self.num_output_placeholders = 0
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.swap_layout import PLAIN, SwapLayout
 from llmtower.engine.vllm_compat import check_vllm_settings, log_ignored_vllm_settings
+from llmtower.lora.serving_args import check_lora_args
 from llmtower.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ _MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "ma
             "num_gpu_blocks": 0, "num_threads": 0, "max_num_partial_prefills": 1,
             "long_prefill_token_threshold": 0, "max_num_queued_reqs": 0,
             "max_num_queued_tokens": 0, "max_bypass": 0, "data_parallel_size": 1,
-            "max_block_moves_per_step": 1}
+            "max_block_moves_per_step": 1, "max_loras": 1, "max_lora_rank": 1,
+            "max_cpu_loras": 0}
 
 
 def _check_field_values(args: EngineArgs) -> None:
@@ -255,6 +257,19 @@ class EngineArgs:
         "on a worker thread (vLLM's async scheduling; the same tokens as without). Not with "
         "--speculative-config or structured outputs. On a CPU whose cores all run the forward "
         "pass it gains little: see docs/performance.md")
+    enable_lora: bool = _f(False, "serve LoRA adapters (PEFT folders) on the base model: "
+                           "requests name one, steps mix them (see docs/lora.md)")
+    max_loras: int = _f(1, "--enable-lora: most distinct adapters in one step (a request whose "
+                        "adapter would exceed it waits)")
+    max_lora_rank: int = _f(16, "--enable-lora: the highest adapter rank accepted")
+    max_cpu_loras: int = _f(0, "--enable-lora: most adapters kept in memory, least recently "
+                            "used evicted (0: --max-loras)")
+    lora_modules: list[str] | None = _f(
+        None, "--enable-lora: adapters served from start, each name=path or vLLM's JSON "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'", nargs="+")
+    enable_lora_runtime_updating: bool = _f(
+        False, "allow /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, also read)")
     structured_outputs_compile_timeout: float = _f(
         5.0, "seconds a grammar (JSON schema, regex, EBNF) may take to compile before its "
         "request is refused with HTTP 400", type=float)
@@ -333,6 +348,7 @@ class EngineArgs:
         if not self.dp_timeout > 0:
             raise ValueError(f"dp_timeout={self.dp_timeout} is invalid: give seconds > 0")
         self.topology()  # a data-parallel layout that cannot work fails here, with its reason
+        check_lora_args(self)
 
     def topology(self) -> DPTopology:
         from llmtower.distributed.topology import DPTopology
@@ -418,7 +434,8 @@ class EngineArgs:
             enable_degradation=self.enable_degradation,
             preemption_victim=self.preemption_victim,  # type: ignore[arg-type]
             tenant_weights=parse_tenant_weights(self.tenant_weights),
-            max_model_len_reason=max_model_len_reason)
+            max_model_len_reason=max_model_len_reason,
+            max_loras=self.max_loras if self.enable_lora else 0)
 
     def create_cache_config(self, num_blocks: int, num_cpu_blocks: int,
                             swap_layout: SwapLayout = PLAIN) -> CacheConfig:

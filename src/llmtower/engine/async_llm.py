@@ -16,6 +16,9 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from llmtower.lora.registry import LoRARegistry
+from llmtower.lora.request import LoRARequest
+from llmtower.lora.serving import load_lora_modules
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.outputs import EngineCoreOutputs, SchedulerStats
@@ -100,6 +103,7 @@ class AsyncLLM:
         # Tokenizing and chat rendering run here, never on the event loop (issue 11).
         self.off_loop = OffLoopExecutor()
         self._refusing: str | None = None  # set by abort_all(): why new requests are refused
+        self.loras = LoRARegistry()  # --enable-lora: the adapters served by name
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -133,6 +137,8 @@ class AsyncLLM:
             max_logprobs=self.engine_args.max_logprobs)
         self._handler = asyncio.create_task(self._output_handler())
         args = self.engine_args
+        if args.enable_lora:
+            await load_lora_modules(self, self.loras, args.lora_modules)
         self.metrics.record_cache_config({
             "block_size": self.ready.block_size,
             "num_gpu_blocks": self.ready.num_gpu_blocks // args.data_parallel_size,
@@ -238,8 +244,9 @@ class AsyncLLM:
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
-                       cache_salt: str | None = None,
-                       tenant: str = "") -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None, tenant: str = "",
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the ``RequestOutput`` deltas of one request (all ``n`` samples), the last
         one with ``finished`` set. Raises EngineDeadError (503), QueueFullError (429),
         AdmissionError / ValueError (400) or RequestTimeoutError (408, no token within
@@ -260,7 +267,7 @@ class AsyncLLM:
             request_id, prompt, list(prompt_token_ids), params,
             output_kind=RequestOutputKind.DELTA, eos_token_id=self.input_processor.eos_token_id,
             arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
-            client_state=tracked)
+            client_state=tracked, lora_request=lora_request)
         tracked.engine_ids = [r.request_id for r in engine_reqs]
         finished = False
         try:

@@ -22,6 +22,8 @@ from llmtower.core.sched.scheduler import Scheduler
 from llmtower.engine.batch_queue import BatchQueue
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.base import Executor
+from llmtower.lora import engine_ops as lora_ops
+from llmtower.lora.request import LoRARequest
 
 
 class EngineCore:
@@ -48,10 +50,25 @@ class EngineCore:
             # step N+1 is scheduled.
             raise ValueError("structured outputs are not supported with --async-scheduling "
                              "(async_scheduling=True): run the engine without it to use them")
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)  # checked (and read) before the request queues
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, priority=req.priority,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt, tenant=req.tenant))
+            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt, tenant=req.tenant,
+            lora_request=req.lora_request))
+
+    def add_lora(self, lora_request: LoRARequest | dict) -> bool:
+        """Load a LoRA adapter (vLLM's ``add_lora``); ValueError with the reason when LoRA
+        is off or the adapter cannot be served on this model."""
+        return lora_ops.add_lora(self.executor, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; refused (ValueError) while requests use it."""
+        return lora_ops.remove_lora(self.executor, self.scheduler, lora_id)
+
+    def list_loras(self) -> list[int]:
+        return lora_ops.list_loras(self.executor)
 
     def abort_requests(self, request_ids) -> list[str]:
         return self.scheduler.abort_requests(request_ids)

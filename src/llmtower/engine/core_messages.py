@@ -46,6 +46,10 @@ UTILITY_METHODS = frozenset({
     "preload",
     "preload_status",
     "unpin",
+    # LoRA adapters (lora/engine_ops.py)
+    "add_lora",
+    "remove_lora",
+    "list_loras",
     # data parallelism, answered by the engine process itself (distributed/dp_group.py)
     "dp_set_membership",
     "dp_start_wave",

@@ -17,6 +17,7 @@ from llmtower.executor.cpu_executor import CPUExecutor
 from llmtower.executor.kv_cache import bytes_per_block
 from llmtower.kernels.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
+from llmtower.lora.serving_args import max_cpu_loras
 from llmtower.core.swap_layout import SwapLayout
 from llmtower.models.config import ModelConfig
 from llmtower.models.loader import load_model_config, resolve_model_path
@@ -122,6 +123,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
                            adaptive_threads=0 if args.num_threads else args.threads,
                            cpu_bind=args.cpu_bind_cpus())
     del state_dict
+    if args.enable_lora:
+        executor.enable_lora(args.max_loras, max_cpu_loras(args), args.max_lora_rank)
     if args.speculative is not None:
         from llmtower.executor.spec_decode_setup import attach_spec_decode
         attach_spec_decode(executor, args.speculative, dtype=dtype)

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from llmtower.lora.request import LoRARequest
 from llmtower.core.kv_cache.relocator import DefragResult
 from llmtower.core.kv_cache.snapshot import KVCacheSnapshot
 from llmtower.core.sampling_params import SamplingParams
@@ -104,13 +105,17 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
-                 tenant: str | list[str] | None = None) -> list[RequestOutput]:
+                 tenant: str | list[str] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate completions for ``prompts`` (text, or token ids); one ``RequestOutput``
         per prompt, in input order. ``sampling_params`` is one for all or one per prompt;
         ``priority`` (one per prompt, lower runs first) needs ``policy="priority"``;
-        ``tenant`` (one for all or one per prompt) is who is served, for ``policy="fair"``."""
+        ``tenant`` (one for all or one per prompt) is who is served, for ``policy="fair"``;
+        ``lora_request`` (one for all or one per prompt, None: the base model) needs
+        ``enable_lora=True``."""
         items = self._tokenize_prompts(prompts)
-        return self._run(items, sampling_params, use_tqdm, priority, tenant)
+        return self._run(items, sampling_params, use_tqdm, priority, tenant, lora_request)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -229,7 +234,8 @@ class LLM:
                                "before starting another generation")
 
     def _add(self, items: list[PromptItem], params: list[SamplingParams], priorities: list[int],
-             kind: RequestOutputKind, tenants: list[str] | None = None) -> list[str]:
+             kind: RequestOutputKind, tenants: list[str] | None = None,
+             loras: list[LoRARequest | None] | None = None) -> list[str]:
         """Send every request to the engine, or none: on an error, everything added so far
         is aborted again and the error is raised with its message intact."""
         request_ids: list[str] = []
@@ -238,14 +244,15 @@ class LLM:
         items = [(text if len(ids2) == len(ids) else None, ids2) for i, ((text, ids), sp) in
                  enumerate(zip(items, params)) for ids2 in [ip.process_prompt(ids, sp, i)]]
         try:
-            for (text, ids), sp, prio, tenant in zip(items, params, priorities,
-                                                     tenants or [""] * len(items)):
+            for (text, ids), sp, prio, tenant, lora in zip(items, params, priorities,
+                                                           tenants or [""] * len(items),
+                                                           loras or [None] * len(items)):
                 rid = str(next(self._counter))
                 request_ids.append(rid)
                 sp = ip.with_extra_eos(sp)
                 for req in self.output_processor.add_request(
                         rid, text, ids, sp, output_kind=kind, eos_token_id=ip.eos_token_id,
-                        priority=prio, tenant=tenant):
+                        priority=prio, tenant=tenant, lora_request=lora):
                     self.client.add_request(req)
         except BaseException:
             self.client.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -271,7 +278,9 @@ class LLM:
     def _run(self, items: list[PromptItem],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
              priority: list[int] | None,
-             tenant: str | list[str] | None = None) -> list[RequestOutput]:
+             tenant: str | list[str] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         self._check_idle()
         params = _per_prompt(sampling_params, len(items), "sampling_params",
                              self.input_processor.default_sampling_params())
@@ -282,7 +291,9 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, not "
                                  f"{type(sp).__name__}: use SamplingParams(max_tokens=..., ...)")
-        request_ids = self._add(items, params, priorities, RequestOutputKind.FINAL_ONLY, tenants)
+        loras = _per_prompt(lora_request, len(items), "lora_request", None)
+        request_ids = self._add(items, params, priorities, RequestOutputKind.FINAL_ONLY, tenants,
+                                loras)
         results: dict[str, RequestOutput] = {}
         from tqdm.auto import tqdm
         pbar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmtower.lora.request import LoRARequest
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.detokenizer import make_decode_fn
@@ -89,7 +90,8 @@ class OutputProcessor:
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                     eos_token_id: int | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    tenant: str = "", client_state: Any = None) -> list[EngineCoreRequest]:
+                    tenant: str = "", client_state: Any = None,
+                    lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Register a request; return the ``EngineCoreRequest``s the caller must send to the
         engine: one, or ``n`` children (ids ``f"{request_id}-{i}"``, seed ``seed + i``)."""
         n = sampling_params.n if n is None else n
@@ -114,7 +116,8 @@ class OutputProcessor:
                                        output_kind, arrival))
             engine_requests.append(EngineCoreRequest(
                 cid, list(prompt_token_ids), params, eos_token_id=eos_token_id,
-                arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant))
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
+                lora_request=lora_request))
         parent = ParentRequest(request_id, prompt, list(prompt_token_ids), output_kind, states,
                                client_state)
         self.parents[request_id] = parent

@@ -11,6 +11,9 @@ from llmtower.executor.cpu_threads import ThreadGovernor
 from llmtower.executor.kv_cache import KVCache
 from llmtower.kernels.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.model_runner import ModelRunner
+from llmtower.lora.adapter import LoRAModelShape
+from llmtower.lora.model_manager import LoRAModelManager
+from llmtower.lora.request import LoRARequest
 from llmtower.models.config import ModelConfig
 from llmtower.models.llama import LlamaForCausalLM
 from llmtower.models.quant import QuantizedTensor
@@ -56,6 +59,30 @@ class CPUExecutor:
         self.kv_cache.swap_in(so.blocks_to_swap_in, so.swap_in_compressed)
         self.kv_cache.move(so.blocks_to_move)  # block tables: remapped by the runner
         return self.runner.execute_model(so)
+
+    def enable_lora(self, max_loras: int, max_cpu_loras: int, max_lora_rank: int) -> None:
+        """--enable-lora: the runner gets an adapter manager (lora/model_manager.py)."""
+        self.runner.lora = LoRAModelManager(LoRAModelShape.from_config(self.model_config),
+                                            self.dtype, max_loras, max_cpu_loras, max_lora_rank)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load (and check) an adapter now; False where it was held already. Raises
+        ValueError when LoRA is off or the adapter cannot be served."""
+        mgr = self.runner.lora
+        if mgr is None:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora "
+                             "(enable_lora=True) to serve adapters")
+        held = lora_request.lora_int_id in mgr.adapters
+        mgr.load(lora_request)
+        return not held
+
+    def remove_lora(self, lora_id: int) -> bool:
+        mgr = self.runner.lora
+        return mgr.remove(lora_id) if mgr is not None else False
+
+    def list_loras(self) -> list[int]:
+        mgr = self.runner.lora
+        return list(mgr.adapters) if mgr is not None else []
 
     def apply_block_moves(self, moves: list[tuple[int, int]]) -> None:
         """An on-demand defragmentation between two steps: move the K/V, remap the tables."""

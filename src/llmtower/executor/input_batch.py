@@ -59,6 +59,10 @@ class InputBatch:
         self.stop_ids_for_min_tokens: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (ids, bias)
         self.generators: dict[int, torch.Generator] = {}
+        # Each row's LoRA adapter (lora_int_id, 0: none) and how many rows have one (0: steps
+        # skip the per-token lookup).
+        self.lora_ids = np.zeros(0, dtype=np.int64)
+        self.num_lora_rows = 0
         self._grow(initial_rows)
 
     # ------------------------------------------------------------------ lifecycle
@@ -80,6 +84,9 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self._set_blocks(row, new.block_ids, replace=True)
         self._set_sampling(row, new.sampling_params, new.eos_token_id)
+        lora_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
+        self.lora_ids[row] = lora_id
+        self.num_lora_rows += lora_id > 0
         return row
 
     def update_request(self, c: CachedRequestData) -> int:
@@ -107,6 +114,8 @@ class InputBatch:
         if row is None:
             return
         self.row_to_req_id[row] = None
+        self.num_lora_rows -= self.lora_ids[row] > 0
+        self.lora_ids[row] = 0
         self.generators.pop(row, None)
         self.stop_ids_for_min_tokens.pop(row, None)
         self.logit_bias.pop(row, None)
@@ -212,6 +221,7 @@ class InputBatch:
         self.prompt_logprobs_next = grow(self.prompt_logprobs_next)
         self.needs_processing = grow(self.needs_processing, False)
         self.needs_full_logits = grow(self.needs_full_logits, False)
+        self.lora_ids = grow(self.lora_ids)
         self.row_to_req_id.extend([None] * (capacity - old))
         # New rows go under the free ones (pop() takes from the end), lowest row last.
         self.free_rows[:0] = range(capacity - 1, old - 1, -1)

@@ -13,6 +13,7 @@ One step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from llmtower.executor.memory_bounds import HeapTrimmer, bound_native_caches
 from llmtower.executor.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs,
                                                plan_prompt_logprobs)
 from llmtower.executor.sampler import Sampler
+from llmtower.lora.model_manager import LoRAModelManager
+from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
                                        decode_batch, decode_groups, kernel_decode_mask)
 from llmtower.models.llama import LlamaForCausalLM
@@ -59,6 +62,7 @@ class StepInputs:
     sample_mask: np.ndarray  # [num requests] which scheduled requests are sampled
     sample_rows: np.ndarray  # [S] their InputBatch rows
     prompt_plan: PromptLogprobsPlan | None = None  # extra logits rows for prompt logprobs
+    lora_ids: np.ndarray | None = None  # [T] each token's lora_int_id (None: no LoRA rows)
 
 
 class ModelRunner:
@@ -86,15 +90,24 @@ class ModelRunner:
         self.heap_trimmer = HeapTrimmer()
         # Speculative decoding (--speculative-config), set by the executor; None: off.
         self.spec_decode: SpecDecodeStep | None = None
+        # --enable-lora: the adapters, set by the executor; None: off.
+        self.lora: LoRAModelManager | None = None
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         for rid in so.finished_req_ids:
+            if self.lora is not None and batch.num_lora_rows:
+                self._release_lora(rid)
             batch.remove_request(rid)
         if so.blocks_to_move:  # before new requests join: their block ids are the moved ones
             batch.remap_block_ids(so.blocks_to_move)
         for new in so.scheduled_new_reqs:
+            if new.lora_request is not None:
+                if self.lora is None:
+                    raise RuntimeError(f"request {new.req_id!r} names LoRA adapter "
+                                       f"{new.lora_request.lora_name!r} but LoRA is not enabled")
+                self.lora.hold(new.lora_request)  # loaded again if it was evicted
             batch.add_request(new)
         for c in so.scheduled_cached_reqs:
             batch.update_request(c)
@@ -105,12 +118,13 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(so, req_ids, num_spec)
         plan = inputs.prompt_plan
+        lora = self._lora_step(inputs)
         if self._greedy_only(so, inputs, spec):
-            return self._execute_greedy(so, req_ids, inputs)
+            return self._execute_greedy(so, req_ids, inputs, lora)
         indices = inputs.logits_indices if plan is None else torch.cat(
             [inputs.logits_indices, plan.flat_rows])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
-                            self.attn, inputs.meta, indices)
+                            self.attn, inputs.meta, indices, **_lora_kw(lora))
         prompt_lps = None
         if plan is not None:  # the prompt rows come after the sampled ones
             num_sampled = len(inputs.logits_indices)
@@ -142,13 +156,25 @@ class ModelRunner:
                 and 0 < m <= self.model.greedy_rows()
                 and self.sampler.plain_greedy(inputs.sample_rows, self.batch))
 
+    def _release_lora(self, req_id: str) -> None:
+        row = self.batch.req_id_to_row.get(req_id)
+        if row is not None and self.lora is not None and self.batch.lora_ids[row] > 0:
+            self.lora.release(int(self.batch.lora_ids[row]))
+
+    def _lora_step(self, inputs: StepInputs) -> LoRAStep | None:
+        """The step's adapter rows (None: none, the model's plain path)."""
+        if self.lora is None or inputs.lora_ids is None:
+            return None
+        return self.lora.step(inputs.lora_ids)
+
     def _execute_greedy(self, so: SchedulerOutput, req_ids: list[str],
-                        inputs: StepInputs) -> ModelRunnerOutput:
+                        inputs: StepInputs, lora: LoRAStep | None = None) -> ModelRunnerOutput:
         """A step of plain greedy rows: the model stops at the final norm and picks the
         tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take, after
         the grammars' bitmasks and the min_tokens masks)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
-                            self.attn, inputs.meta, inputs.logits_indices, head=False)
+                            self.attn, inputs.meta, inputs.logits_indices, head=False,
+                            **_lora_kw(lora))
         allow = None
         words = -(-self.model.config.vocab_size // 32)
         if so.grammar_bitmask is not None:
@@ -203,7 +229,8 @@ class ModelRunner:
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
                           torch.from_numpy(flat_row[sample_mask]), sample_mask,
                           rows[sample_mask],
-                          plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_row))
+                          plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_row),
+                          batch.lora_ids[o_rows] if batch.num_lora_rows else None)
 
     def _slots_and_ids(self, tok_rows: np.ndarray, positions: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray]:
@@ -265,7 +292,8 @@ class ModelRunner:
         flat_first[order] = first
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
                           torch.from_numpy(logits_rows), sample_mask, rows[sample_mask],
-                          plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_first))
+                          plan_prompt_logprobs(batch, req_ids, rows, start, end, flat_first),
+                          batch.lora_ids[tok_rows] if batch.num_lora_rows else None)
 
     def _plan_decodes(self, meta: AttentionMetadata, rows: np.ndarray, end: np.ndarray,
                       num_sched: np.ndarray) -> None:
@@ -311,3 +339,9 @@ class ModelRunner:
                 if entry is not None:
                     out_lp[i].append(entry)
         return ModelRunnerOutput(req_ids, sampled, out_lp)
+
+
+def _lora_kw(lora: LoRAStep | None) -> dict[str, Any]:
+    """The model's ``lora`` argument, passed only when the step has adapter rows (a step
+    without them calls the model exactly as before LoRA existed)."""
+    return {} if lora is None else {"lora": lora}

@@ -90,6 +90,24 @@ class GemmF32Weight:
             self._refuse(x, want_pair=True)
         return out
 
+    def pair_products(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A silu pair's gate and up products ``x @ gate.T``, ``x @ up.T`` (no SiLU), in one
+        pass over the pair's panels: each panel is 16 gate then 16 up columns of a plain
+        product (LoRA adds to both before the SiLU)."""
+        if not self.silu_pair or x.dtype != torch.float32 or x.dim() != 2 \
+                or x.shape[1] != self.k or x.stride(1) != 1:
+            self._refuse(x, want_pair=True)
+        m, panels = x.shape[0], -(-self.n // SILU_HALF_PANEL)
+        cols = 2 * SILU_HALF_PANEL * panels
+        out = x.new_empty(m, cols)
+        if self._lib.gemm_f32(x.data_ptr(), m, x.stride(0) if m > 1 else self.k,
+                              self._packed_ptr, cols, self.k, None, out.data_ptr(), cols,
+                              torch.get_num_threads(), self.path):
+            self._refuse(x, want_pair=True)
+        halves = out.view(m, panels, 2, SILU_HALF_PANEL)
+        return (halves[:, :, 0].reshape(m, -1)[:, :self.n],
+                halves[:, :, 1].reshape(m, -1)[:, :self.n])
+
     def _refuse(self, x: torch.Tensor, want_pair: bool) -> None:
         if want_pair != self.silu_pair:
             raise TypeError("this weight holds a gate/up pair: call silu_mul" if self.silu_pair

@@ -29,6 +29,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from llmtower.metrics.lora_info import LoRAInfoGauge
 from llmtower.core.outputs import RequestMetrics, SchedulerStats
 from llmtower.metrics import buckets
 from llmtower.metrics.http import HTTPMetrics
@@ -274,6 +275,7 @@ class ServingMetrics:
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)
         self.http = HTTPMetrics(reg)
+        self.lora_info = LoRAInfoGauge(reg)  # vllm:lora_requests_info (--enable-lora)
 
     def engine(self, index: int = 0) -> EngineSeries:
         """The series of engine ``index`` (created, at zero, on first use)."""
@@ -315,6 +317,7 @@ class ServingMetrics:
         e.prefix_cache_blocks.set(stats.num_cached_blocks)
         e.degradation_level.set(stats.degradation_level)
         e.pinned_blocks.set(stats.num_pinned_blocks)
+        self.lora_info.record(stats, engine)
         for action, new in stats.degradation_actions.items():
             old = e.last_totals.get(f"degradation_{action}", 0)
             if new > old:

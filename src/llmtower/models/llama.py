@@ -26,6 +26,8 @@ from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels.greedy_head import GreedyHead
 from llmtower.kernels import decode_layer as decode_layer_mod
 from llmtower.kernels.decode_layer import DecodeLayers, EndParts, LayerParts
+from llmtower.models import lora_layers
+from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
@@ -231,30 +233,32 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: PagedAttention, meta: AttentionMetadata,
-                logits_indices: torch.Tensor, head: bool = True) -> torch.Tensor:
+                logits_indices: torch.Tensor, head: bool = True,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab]; with
         ``head=False`` the final norm's rows [len(logits_indices), hidden] in the model's dtype
-        instead (for ``greedy_tokens``)."""
+        instead (for ``greedy_tokens``). ``lora``: the step's adapter rows (None: none)."""
         # The fused RoPE kernel writes K/V in the model's dtype: a cache of another
         # (--kv-cache-dtype int8/bfloat16) takes the path where attention stores them.
         if self.fused is not None and self.layers and kv_caches[0].dtype == self.dtype:
             return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
-                                       logits_indices, head)
+                                       logits_indices, head, lora)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, self.eps)
-            x = self._attention(x, layer, kv_caches[i], attn, meta, cos, sin)
+            x = self._attention(x, layer, kv_caches[i], attn, meta, cos, sin, lora, i)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
                 residual = residual.index_select(0, logits_indices)
+                lora = lora.select(logits_indices) if lora is not None else None
             # In place: the residual stream is this forward's own tensor (the embedding output).
             h = residual.add_(x)
             x = rms_norm(h, layer.post_norm, self.eps)
-            h = h.add_(self._mlp(x, layer))
+            h = h.add_(self._mlp(x, layer) if lora is None else lora_layers.mlp(lora, i, x, layer))
         if not self.layers:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.eps)
@@ -265,7 +269,7 @@ class LlamaForCausalLM:
     def _forward_fused(self, fo: FusedOps, input_ids: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[torch.Tensor], attn: PagedAttention,
                        meta: AttentionMetadata, logits_indices: torch.Tensor,
-                       head: bool = True) -> torch.Tensor:
+                       head: bool = True, lora: LoRAStep | None = None) -> torch.Tensor:
         """``forward`` with the fused kernels: per layer three GEMMs (four when quantized), the
         attention and three C calls. Each residual add is fused into the RMSNorm after it."""
         c0 = kv_caches[0]
@@ -280,7 +284,8 @@ class LlamaForCausalLM:
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
         # (bit for bit the calls below).
         dl = self.decode_layers
-        if dl is not None and not meta.prefills \
+        # Steps with adapter rows take the per-product path below (the C layer has no LoRA).
+        if dl is not None and lora is None and not meta.prefills \
                 and t <= min(decode_layer_mod.MAX_ROWS, self._kernel_rows()):
             dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
         else:
@@ -305,7 +310,10 @@ class LlamaForCausalLM:
             if i < c_until:
                 continue
             if dl is None or i == 0:  # else q and v come from the fused call of layer i - 1
-                qkv = self._qk_norm(apply_linear(x, layer.qkv, layer.qkv_bias), layer)
+                qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+                if lora is not None:
+                    lora_layers.add_qkv(lora, i, x, qkv, self.q_size, self.kv_size)
+                qkv = self._qk_norm(qkv, layer)
                 q, k = fo.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                         cos, sin, positions, meta.slot_mapping, kv_caches[i],
                                         want_k)
@@ -321,12 +329,17 @@ class LlamaForCausalLM:
                     c_until = last
                 continue
             x = apply_linear(o, layer.o_proj, layer.o_bias)
+            if lora is not None:
+                lora_layers.add_o(lora, i, o, x)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
                 h = h.index_select(0, logits_indices)
+                lora = lora.select(logits_indices) if lora is not None else None
             x = fo.add_rms_norm(h, x, layer.post_norm, self.eps)
-            if layer.gate_up is not None:
+            if lora is not None:
+                x = lora_layers.mlp(lora, i, x, layer)
+            elif layer.gate_up is not None:
                 x = apply_linear(fo.silu_mul(layer.gate_up(x)), layer.down)
             else:
                 x = self._mlp(x, layer)
@@ -371,9 +384,12 @@ class LlamaForCausalLM:
 
     def _attention(self, x: torch.Tensor, layer: DecoderLayerWeights, kv_cache: torch.Tensor,
                    attn: PagedAttention, meta: AttentionMetadata, cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, lora: LoRAStep | None = None, i: int = 0) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self._qk_norm(apply_linear(x, layer.qkv, layer.qkv_bias), layer)
+        qkv = apply_linear(x, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            lora_layers.add_qkv(lora, i, x, qkv, self.q_size, self.kv_size)
+        qkv = self._qk_norm(qkv, layer)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         qk = self.rope.apply(qk, cos, sin)
@@ -381,7 +397,8 @@ class LlamaForCausalLM:
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v, kv_cache, meta)
-        return apply_linear(o, layer.o_proj, layer.o_bias)
+        out = apply_linear(o, layer.o_proj, layer.o_bias)
+        return lora_layers.add_o(lora, i, o, out) if lora is not None else out
 
     def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
         """Qwen3: each query and key head RMS-normalized with its layer's weights, in place

@@ -24,6 +24,8 @@ from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.core_client import EngineStartupError
 from llmtower.engine.core_proc import EngineFactory, default_engine_factory
 from llmtower.metrics.http import HTTPMetricsMiddleware
+from llmtower.lora.serving_args import runtime_updating_allowed
+from llmtower.server.lora_routes import build_lora_router
 from llmtower.server.access_log import AccessLogMiddleware
 from llmtower.server.admin import build_admin_router
 from llmtower.server.admin_memory import preload_at_start
@@ -132,6 +134,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.include_router(build_chat_router(chat, settings.frontend))
     app.include_router(build_models_router(completions, settings.expose_model_path))
     app.include_router(build_tokenization_router(chat))
+    if llm.engine_args.enable_lora and runtime_updating_allowed(
+            llm.engine_args.enable_lora_runtime_updating):
+        app.include_router(build_lora_router(llm))
     return app
 
 

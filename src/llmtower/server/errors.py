@@ -29,7 +29,7 @@ RETRY_AFTER_S = 1
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error",
+    404: "not_found_error", 409: "conflict_error",
     405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
     429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable_error",
 }

@@ -14,6 +14,7 @@ from fastapi import Request
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.async_llm import AsyncLLM
 from llmtower.engine.request_output import PromptLogprobs
+from llmtower.lora.request import LoRARequest
 from llmtower.server.errors import APIError, error_body, to_api_error
 from llmtower.server.limits import RequestLimits
 from llmtower.server.protocol import (
@@ -86,11 +87,24 @@ class ServingBase:
                            param="stop_token_ids")
 
     def check_model(self, model: str | None) -> None:
-        """Any of --served-model-name's names (or none) is this server's model."""
-        if model is not None and model not in self.llm.served_model_names:
+        """Any of --served-model-name's names (or none) is this server's model; a served
+        LoRA adapter's name is that adapter on it."""
+        if model is not None and model not in self.llm.served_model_names \
+                and self.lora_request(model) is None:
+            known = [self.model_name, *lora_names(self.llm)]
             raise APIError(f"the model {model!r} does not exist: this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", 404, param="model",
-                           code="model_not_found")
+                           f"{', '.join(map(repr, known))} (see GET /v1/models)", 404,
+                           param="model", code="model_not_found")
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        loras = getattr(self.llm, "loras", None)
+        return loras.get(model) if loras is not None else None
+
+
+def lora_names(llm: Any) -> list[str]:
+    loras = getattr(llm, "loras", None)
+    return loras.names() if loras is not None else []
 
 
 def new_request_id(prefix: str) -> str:

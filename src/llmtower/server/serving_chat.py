@@ -117,7 +117,8 @@ class OpenAIServingChat(ServingBase):
         stream = merge_streams([self.llm.generate(prompt, ids, params, engine_id,
                                                   priority=req.priority,
                                                   cache_salt=req.cache_salt,
-                                                  tenant=self.tenant_of(req, raw))])
+                                                  tenant=self.tenant_of(req, raw),
+                                                  lora_request=self.lora_request(req.model))])
         try:
             # The first output decides the status: queue-full, timeout and admission errors
             # get their own HTTP status instead of a broken stream.

@@ -95,7 +95,7 @@ class OpenAIServingCompletion(ServingBase):
         tenant = self.tenant_of(req, raw)
         streams = [self.llm.generate(text, ids, params, f"{engine_id}-{i}",
                                      priority=req.priority, cache_salt=req.cache_salt,
-                                     tenant=tenant)
+                                     tenant=tenant, lora_request=self.lora_request(req.model))
                    for i, (text, ids) in enumerate(prompts)]
         merged = merge_streams(streams)
         try:

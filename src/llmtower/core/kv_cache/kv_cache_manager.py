@@ -17,6 +17,7 @@ from __future__ import annotations
 from llmtower.core.config import CacheConfig
 from llmtower.core.kv_cache.block_hash import extend_block_hashes
 from llmtower.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmtower.core.kv_cache.extra_keys import block_extra_key
 from llmtower.core.kv_cache.pinned import PinnedBlocks
 from llmtower.core.request import Request
 from llmtower.utils import cdiv
@@ -58,7 +59,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
-                            request.num_tokens, request.cache_salt)
+                            request.num_tokens, block_extra_key(request))
         max_blocks = (request.num_tokens - 1) // bs
         hashes = request.block_hashes
         cached = self.pool.cached
@@ -84,7 +85,7 @@ class KVCacheManager:
             return
         blocks = self.req_to_blocks[rid]
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            num_full * self.block_size, request.cache_salt)
+                            num_full * self.block_size, block_extra_key(request))
         hashes = request.block_hashes
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])

@@ -35,6 +35,7 @@ from llmtower.core.kv_cache.relocator import written_blocks
 from llmtower.core.outputs import SchedulerOutput
 from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.admission import AdmissionMixin
+from llmtower.core.sched.lora_slots import lora_slots
 from llmtower.core.sched.apply_output import ApplyOutputMixin
 from llmtower.core.sched.preemption import PreemptionMixin
 from llmtower.core.sched.stats import StatsMixin
@@ -143,12 +144,17 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
 
     # ---------------------------------------------------------------- 2. swapped
     def _swap_in(self, step: Step) -> None:
-        """Swapped requests, oldest first, while their blocks and tokens fit."""
+        """Swapped requests, oldest first, while their blocks, tokens and adapters fit."""
+        loras = step.loras = lora_slots(self.config.max_loras, self.running) \
+            if self.swapped else None
         while self.swapped and step.budget > 0 and len(self.running) < step.max_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, req.num_computed_tokens, step)
-            if n == 0 or not self.kv.can_swap_in(req, n):
+            if n == 0 or not self.kv.can_swap_in(req, n) or (
+                    loras is not None and not loras.admits(req)):
                 break
+            if loras is not None:
+                loras.add(req)
             self.swapped.popleft()
             step.swap_in.extend(self.kv.swap_in(req, step.swap_in_int8))
             self.num_swap_ins += 1
@@ -166,8 +172,17 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
         cfg = self.config
         skipped: list[Request] = []
         displaced: list[Request] = []  # preempted by priority here; requeued after the scan
+        loras = step.loras = lora_slots(cfg.max_loras, self.running)  # None: LoRA off
         while self.waiting and step.budget > 0 and len(skipped) < MAX_SKIPS_PER_STEP:
             req = self.waiting.peek()
+            if loras is not None and not loras.admits(req):
+                # Its adapter would make one too many: it waits as one that does not fit
+                # (skipped, never overtaken more than max_bypass times).
+                self.waiting.pop()
+                skipped.append(req)
+                if req.num_bypassed >= cfg.max_bypass:
+                    break
+                continue
             if len(self.running) >= step.max_seqs:
                 if not self._preempt_lower_priority(req, step, now, displaced):
                     break
@@ -210,6 +225,8 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
         if not req.times.first_scheduled:
             req.times.first_scheduled = now
         self.policy.on_admit(req)
+        if step.loras is not None:
+            step.loras.add(req)
         self.running.append(req)
         if req.request_id in self._executor_has:
             step.resumed.add(req.request_id)

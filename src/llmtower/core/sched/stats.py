@@ -7,6 +7,7 @@ from llmtower.core.kv_cache.fragmentation import external_fragmentation
 from llmtower.core.kv_cache.relocator import DefragResult, Move
 from llmtower.core.outputs import RequestMetrics, SchedulerStats
 from llmtower.core.request import Request
+from llmtower.core.sched.lora_slots import lora_stats
 from llmtower.core.sched.scheduler_state import SchedulerState
 
 
@@ -47,6 +48,7 @@ class StatsMixin(SchedulerState):
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
+            **lora_stats(self.config.max_loras, self.running, self.waiting),
             num_block_moves_total=self.relocator.num_moves_total,
             num_pinned_blocks=len(kv.pinned),
             degradation_level=self.degradation.level,

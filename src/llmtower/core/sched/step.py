@@ -4,6 +4,7 @@ blocks, swaps, preemptions, drafts), from which the ``SchedulerOutput`` is built
 from __future__ import annotations
 
 from llmtower.core.request import Request
+from llmtower.core.sched.lora_slots import LoRASlots
 
 
 class Step:
@@ -13,7 +14,7 @@ class Step:
     __slots__ = ("budget", "scheduled", "new_blocks", "resumed", "preempted", "num_partial",
                  "swap_out", "swap_in", "num_prefill_tokens", "moves", "spec", "cached_from",
                  "provisional", "initial_budget", "max_seqs", "swap_out_int8", "swap_in_int8",
-                 "reserve_for", "reserve")
+                 "reserve_for", "reserve", "loras")
 
     def __init__(self, budget: int, max_seqs: int = 1 << 30) -> None:
         self.budget = budget
@@ -41,6 +42,9 @@ class Step:
         # policy puts after it leave room for, and how much (-1: not sized yet).
         self.reserve_for: Request | None = None
         self.reserve = -1
+        # The adapters in use (None: LoRA off), counted from the running requests when swap-ins
+        # or admissions begin, and grown by each request they start.
+        self.loras: LoRASlots | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -63,7 +63,7 @@ class StepOutputMixin(SchedulerState):
                 self._executor_has.add(rid)
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                self.kv.get_block_ids(rid), req.num_computed_tokens,
-                                               req.eos_token_id))
+                                               req.eos_token_id, req.lora_request))
             elif rid in step.resumed:
                 self._forced_token_ids.pop(rid, None)  # all outputs travel below
                 cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
