@@ -69,6 +69,22 @@ def test_model_names_the_adapter(lora_server, tiny_llama_dir, adapters):
     assert base != tokens(complete(lora_server, "all"))
 
 
+def test_responses_name_the_adapter_asked_for(lora_server):
+    """As vLLM answers: the response's ``model`` is the adapter, streamed or not, in
+    completions and chat; the base model's requests name the base."""
+    assert complete(lora_server, "all").json()["model"] == "all"
+    assert complete(lora_server, MODEL).json()["model"] == MODEL
+    chat = {"model": "attn", "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 2}
+    url = f"{lora_server.base_url}/v1/chat/completions"
+    r = httpx.post(url, json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "attn", r.text
+    with httpx.stream("POST", url, json={**chat, "stream": True}, timeout=60) as r:
+        models = {json.loads(line[6:])["model"] for line in r.iter_lines()
+                  if line.startswith("data: {")}
+    assert models == {"attn"}
+
+
 def test_unknown_model_is_404_naming_the_served_ones(lora_server):
     r = complete(lora_server, "nope")
     assert r.status_code == 404

@@ -96,6 +96,12 @@ class ServingBase:
                            f"{', '.join(map(repr, known))} (see GET /v1/models)", 404,
                            param="model", code="model_not_found")
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter a request asked for, else the served
+        model's name (as vLLM answers)."""
+        return model if model is not None and self.lora_request(model) is not None \
+            else self.model_name
+
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model)."""
         loras = getattr(self.llm, "loras", None)

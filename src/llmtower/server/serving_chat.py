@@ -186,7 +186,7 @@ class OpenAIServingChat(ServingBase):
         echo = echo_text(req)
         messages = [reasoning_message(plan, echo + texts[i], reasoner) for i in range(n)]
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name,
+            id=request_id, model=self.response_model(req.model),
             choices=[ChatChoice(
                 index=i, message=messages[i],
                 logprobs=(chat_logprobs(logprobs[i], top_k, req.return_tokens_as_token_ids)
@@ -207,7 +207,7 @@ class OpenAIServingChat(ServingBase):
                       plan: ToolPlan | None = None,
                       reasoner: ReasoningParser | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        model = self.model_name
+        model = self.response_model(req.model)
         num_prompt = len(prompt_ids)
         choice_tokens = [0] * n  # generated so far, per choice
         ids_sent = False  # return_token_ids: the prompt's ids go on the first chunk

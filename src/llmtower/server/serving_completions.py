@@ -192,7 +192,7 @@ class OpenAIServingCompletion(ServingBase):
         note_tokens(request_id, sum(len(ids) for _, ids in prompts),
                     sum(ch.num_tokens for ch in choices))
         return CompletionResponse(
-            id=request_id, model=self.model_name,
+            id=request_id, model=self.response_model(req.model),
             choices=[CompletionChoice(
                 index=k, text=ch.text, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
                 logprobs=self._choice_logprobs(req, ch, prompts[k // n], prompt_lps[k // n]),
@@ -223,7 +223,8 @@ class OpenAIServingCompletion(ServingBase):
                 choice.token_ids = choice.token_ids or []
                 if not ids_sent[k]:
                     choice.prompt_token_ids, ids_sent[k] = prompts[k // n][1], True
-            out = CompletionChunk(id=request_id, created=created, model=self.model_name,
+            out = CompletionChunk(id=request_id, created=created,
+                                  model=self.response_model(req.model),
                                   choices=[choice])
             if req.continuous_usage:  # this choice's prompt and its tokens so far
                 out.usage = make_usage(len(prompts[k // n][1]), choice_tokens[k], num_cached)
@@ -271,7 +272,8 @@ class OpenAIServingCompletion(ServingBase):
             note_tokens(request_id, sum(len(ids) for _, ids in prompts), num_tokens)
             if req.include_usage:
                 usage_chunk = CompletionChunk(
-                    id=request_id, created=created, model=self.model_name, choices=[],
+                    id=request_id, created=created, model=self.response_model(req.model),
+                    choices=[],
                     usage=make_usage(sum(len(ids) for _, ids in prompts), num_tokens,
                                      sum(ro.num_cached_tokens for ro in finals)))
                 if req.include_metrics:
