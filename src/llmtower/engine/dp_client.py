@@ -267,20 +267,12 @@ class DPEngineCoreClient:
 
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
-        rid = request.request_id
-        for _ in range(len(self.clients)):
-            i = self._assign(rid, request.prompt_token_ids)
-            self._unstarted[rid] = request
-            try:
-                await self.clients[i].add_request(request)
-                return
-            except EngineDeadError as e:  # it died before its forwarder said so: the next one
-                self._release(rid)
-                self.mark_rank_lost(i, str(e))
-            except BaseException:
-                self._release(rid)
-                raise
-        raise EngineDeadError(self.dead_reason or "no data-parallel engine took the request")
+        # Sent by a task of its own: a send to an engine that just died can wait for ever
+        # (its socket has no peer), and the caller must not wait with it: the request moves
+        # on (a quiet engine's, a lost one's) and its outputs come from its new engine.
+        i = self._assign(request.request_id, request.prompt_token_ids)
+        self._unstarted[request.request_id] = request
+        self._spawn(self._send_to(i, request))
 
     def _eligible(self, exclude: int | None = None) -> list[bool]:
         """Which engines may get a new request: live, not draining, heard from lately. When
@@ -314,16 +306,23 @@ class DPEngineCoreClient:
             return False
         self._unstarted[request.request_id] = request
         self.num_retried += 1
-        self._spawn(self._send_moved(j, request))
+        self._spawn(self._send_to(j, request))
         return True
 
-    async def _send_moved(self, rank: int, request: EngineCoreRequest) -> None:
-        if self._owner.get(request.request_id) != rank:
+    async def _send_to(self, rank: int, request: EngineCoreRequest) -> None:
+        rid = request.request_id
+        if self._owner.get(rid) != rank:
             return  # aborted (or moved again) before it could be sent
         try:
             await self.clients[rank].add_request(request)
-        except EngineDeadError as e:  # that one is gone too: its loss moves it on once more
+        except EngineDeadError as e:  # that one is gone: its loss re-sends the request
             self.mark_rank_lost(rank, str(e))
+        except Exception as e:  # never leave the caller waiting for an answer
+            logger.exception("sending request %s to data-parallel rank %d failed", rid, rank)
+            if self._owner.get(rid) == rank:
+                self._release(rid)
+                self._outputs.put_nowait(RequestError(rid, "invalid", f"cannot send the "
+                                                      f"request to engine {rank}: {e}"))
 
     def _move_unstarted(self, rank: int) -> int:
         """Re-send every request of ``rank`` that has not started (nothing came back) to the
@@ -485,7 +484,15 @@ class DPEngineCoreClient:
         elif event.kind == "group_broken" and not self._closing:
             logger.warning("rank %d reports the process group of epoch %d broken: %s", rank,
                            event.epoch, event.detail.splitlines()[0] if event.detail else "")
-            self._spawn(self._set_membership())
+            self._spawn(self._reform_after_break(event.epoch))
+
+    async def _reform_after_break(self, epoch: int) -> None:
+        """A new group once a peer that broke it has had time to go quiet: a rank that died a
+        moment ago still counts as heard from, and a group formed with it would hold every
+        member's busy loop for --dp-timeout. The engines serve alone meanwhile."""
+        await asyncio.sleep(QUIET_AFTER_S + HEARTBEAT_S)
+        if self.epoch == epoch and not self._closing:  # not already re-formed (a loss, ...)
+            await self._set_membership()
 
     async def _call_quietly(self, rank: int, method: str, *args: Any) -> None:
         try:
