@@ -6,7 +6,6 @@ the kill, only those that had started streaming fail, with the retryable 503."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 

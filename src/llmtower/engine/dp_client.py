@@ -459,6 +459,9 @@ class DPEngineCoreClient:
                     item.outputs = [out for out in item.outputs if owner.get(out.request_id) == i]
                     item.request_errors = [e for e in item.request_errors
                                            if owner.get(e[0]) == i]
+                    if not item.outputs and not item.request_errors and \
+                            item.scheduler_stats is None:
+                        continue  # nothing left for the client
                 for out in item.outputs:
                     self._unstarted.pop(out.request_id, None)  # started: never re-sent
                     if out.finish_reason is not None:
