@@ -417,14 +417,22 @@ class DPEngineCoreClient:
             method, *args, result_type=result_type, timeout_s=timeout_s)
 
     async def data_parallel_view(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Health, the router's counters, wave starts and each live engine's ``DPStatus``."""
-        statuses = await self.call_utility_each("dp_status", result_type=DPStatus,
-                                                timeout_s=timeout_s)
+        """Health, the router's counters, wave starts, drains and each live engine's
+        ``DPStatus`` (an engine that does not answer in time, e.g. a dead host not yet
+        declared lost, is listed in ``unanswered`` instead of failing the whole view)."""
+        live = self.live_ranks
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no data-parallel engine is alive")
+        answers = await asyncio.gather(*(
+            self.clients[r].call_utility("dp_status", result_type=DPStatus, timeout_s=timeout_s)
+            for r in live), return_exceptions=True)
+        statuses = [a for a in answers if isinstance(a, DPStatus)]
         return {**self.health(), "routed": self.router.num_routed,
                 "prefix_affinity_hits": self.router.num_affinity_hits,
                 "wave_starts": self.num_wave_starts, "retried": self.num_retried,
                 "quiet_ranks": [r for r in self.live_ranks if not self._responsive(r)],
                 "draining": {str(r): self.drain_status(r) for r in sorted(self.draining)},
+                "unanswered": [r for r, a in zip(live, answers) if not isinstance(a, DPStatus)],
                 "engines": [dataclasses.asdict(s) for s in statuses]}
 
     # ------------------------------------------------------------------ receive
@@ -516,7 +524,8 @@ class DPEngineCoreClient:
         """Rank ``rank`` is gone NOW (its process died, its host went silent, Ray reported its
         actor dead): route around it, re-send its un-started requests to live engines, fail
         those that had started streaming with the retriable 503, form the group of the
-        survivors, and (a remote rank) wait for it to come back. Safe to call twice."""
+        survivors, and (a remote rank) wait for it to come back. Safe to call twice; call it
+        on the server's event loop (from another thread: ``loop.call_soon_threadsafe``)."""
         if not 0 <= rank < len(self.clients):
             raise ValueError(f"rank {rank} does not exist: 0..{len(self.clients) - 1}")
         if self._closing or rank in self.lost:
@@ -622,6 +631,10 @@ class DPEngineCoreClient:
         if self.draining.pop(rank, None) is not None:
             logger.info("data-parallel rank %d undrained: routed to again", rank)
         return self.drain_status(rank)
+
+    def set_draining(self, engine_index: int, draining: bool) -> dict[str, Any] | None:
+        """EngineClient.set_draining: ``drain`` or ``undrain``."""
+        return self.drain(engine_index) if draining else self.undrain(engine_index)
 
     def drain_status(self, rank: int) -> dict[str, Any]:
         """Whether ``rank`` is draining / drained, what it still holds, what moved off it."""

@@ -2,7 +2,8 @@
 
 - ``GET /v1/admin/data_parallel``: which ranks serve, which are lost and why, which are quiet
   or draining (and whether drained), the process group's epoch, requests re-sent, and each
-  live engine's sync counters (collectives run, time they cost the busy loop, waves).
+  live engine's sync counters (collectives run, time they cost the busy loop, waves); an
+  engine that does not answer in time is listed in ``unanswered``.
 - ``POST /v1/admin/drain?engine_id=N``: stop routing to engine N, move its un-started requests
   to the others, let its running ones finish; answers the drain's status (``drained`` once
   it holds nothing). ``llmtower ctl drain`` calls it.
@@ -15,18 +16,10 @@ from typing import Any
 from fastapi import APIRouter
 
 from llmtower.engine.async_llm import AsyncLLM
-from llmtower.engine.dp_client import DPEngineCoreClient
 from llmtower.server.errors import APIError
 
 NOT_DP = ("this server runs one engine: start it with --data-parallel-size N for a "
           "data-parallel view")
-
-
-def _dp_client(llm: AsyncLLM) -> DPEngineCoreClient:
-    client = llm.client
-    if not isinstance(client, DPEngineCoreClient):
-        raise APIError(NOT_DP, 404, code="not_data_parallel")
-    return client
 
 
 def _engine_id(engine_id: str, n: int) -> int:
@@ -48,16 +41,21 @@ def add_data_parallel_route(router: APIRouter, llm: AsyncLLM) -> None:
             raise APIError(NOT_DP, 404, code="not_data_parallel")
         return view
 
-    @router.post("/drain")
-    async def drain(engine_id: str) -> dict[str, Any]:
-        client = _dp_client(llm)
-        rank = _engine_id(engine_id, len(client.clients))
+    def set_draining(engine_id: str, draining: bool) -> dict[str, Any]:
+        if llm.num_engines < 2:
+            raise APIError(NOT_DP, 404, code="not_data_parallel")
+        rank = _engine_id(engine_id, llm.num_engines)
         try:
-            return client.drain(rank)
+            status = llm.client.set_draining(rank, draining)
         except ValueError as e:  # the last engine that serves
             raise APIError(str(e), 409, code="drain_refused") from None
+        assert status is not None  # data parallel: a status
+        return status
+
+    @router.post("/drain")
+    async def drain(engine_id: str) -> dict[str, Any]:
+        return set_draining(engine_id, True)
 
     @router.post("/undrain")
     async def undrain(engine_id: str) -> dict[str, Any]:
-        client = _dp_client(llm)
-        return client.undrain(_engine_id(engine_id, len(client.clients)))
+        return set_draining(engine_id, False)
