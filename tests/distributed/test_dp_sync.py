@@ -33,9 +33,9 @@ def _run(tokenizer, body, **engine_kw):
     return asyncio.run(main())
 
 
-async def _tokens(llm, rid, max_tokens=20):
+async def _tokens(llm, rid, max_tokens=20, out=None):
     ids = llm.encode("Hello world")
-    out = []
+    out = [] if out is None else out
     async for ro in llm.generate("Hello world", ids, SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, temperature=0.0), rid):
         out.extend(ro.outputs[0].token_ids)
@@ -99,13 +99,14 @@ def test_a_new_request_after_idleness_starts_a_new_wave_on_every_engine(tokenize
 
 
 def test_losing_an_engine_keeps_the_server_serving(tokenizer):
-    """kill -9 of the engine that holds a request: that request fails with a retriable
-    error; the other engine's request finishes; new requests go to the survivor; the
-    survivor forms a group of one (epoch 1); /health would say degraded."""
+    """kill -9 of the engine that holds a request that has started streaming: that request
+    fails with a retriable error; the other engine's request finishes; new requests go to the
+    survivor; the survivor forms a group of one (epoch 1); /health would say degraded."""
     async def body(llm):
-        long = asyncio.ensure_future(_tokens(llm, "long", max_tokens=200))
+        streamed: list[int] = []
+        long = asyncio.ensure_future(_tokens(llm, "long", max_tokens=200, out=streamed))
         other = asyncio.ensure_future(_tokens(llm, "other", max_tokens=60))
-        while llm.client.in_flight != [1, 1]:
+        while llm.client.in_flight != [1, 1] or not streamed:
             await asyncio.sleep(0.01)
         victim = llm.client.engine_of("long")
         os.kill(llm.client.pids[victim], signal.SIGKILL)

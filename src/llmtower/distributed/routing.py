@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # One fully used KV cache counts like this many queued requests.
@@ -66,10 +67,14 @@ class Router:
         self.num_affinity_hits = 0
         self.num_routed = 0
 
-    def choose(self, loads: list[EngineLoad], token_ids: list[int] | None = None) -> int:
-        """The engine for a request; raises ValueError when no engine is alive."""
+    def choose(self, loads: list[EngineLoad], token_ids: list[int] | None = None,
+               eligible: Sequence[bool] | None = None) -> int:
+        """The engine for a request, among the alive ones (and, if ``eligible`` is given,
+        those it marks True: e.g. not draining, heard from lately); raises ValueError when
+        there is none."""
         n = len(loads)
-        alive = [(self._next + k) % n for k in range(n) if loads[(self._next + k) % n].alive]
+        order = [(self._next + k) % n for k in range(n)]
+        alive = [e for e in order if loads[e].alive and (eligible is None or eligible[e])]
         if not alive:
             raise ValueError("no data-parallel engine is alive")
         best = min(alive, key=lambda e: loads[e].score)
@@ -79,7 +84,7 @@ class Router:
         for key in reversed(keys):  # the longest shared prefix first
             e = self._table.get(key)
             if e is not None and e < n and loads[e].alive and \
-                    loads[e].score <= loads[best].score + self.slack:
+                    (eligible is None or eligible[e]) and loads[e].score <= loads[best].score + self.slack:
                 chosen = e
                 self.num_affinity_hits += 1
                 break

@@ -75,6 +75,12 @@ class EngineClient(Protocol):
         counters); None for one engine."""
         ...
 
+    def set_draining(self, engine_index: int, draining: bool) -> dict[str, Any] | None:
+        """Drain data-parallel engine ``engine_index`` (no new requests, its un-started ones
+        moved to the others) or route to it again; its drain status. ValueError when that
+        engine does not exist or no other engine would serve; None for one engine."""
+        ...
+
     def mark_dead(self, reason: str) -> None:
         """Declare the engine unusable (e.g. the front end's output handler failed): every
         waiting caller fails with EngineDeadError."""

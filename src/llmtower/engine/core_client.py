@@ -278,6 +278,11 @@ class EngineCoreClient:
         """EngineClient.data_parallel_view: one engine is not data parallel."""
         return None
 
+    def set_draining(self, engine_index: int, draining: bool  # noqa: ARG002
+                     ) -> dict[str, Any] | None:
+        """EngineClient.set_draining: one engine has no other to drain to."""
+        return None
+
     def mark_dead(self, reason: str) -> None:
         """EngineClient.mark_dead: the front end declares the engine unusable."""
         self._mark_dead(reason)

@@ -17,10 +17,21 @@ too: the metrics keep one series per engine); ``merge_stats`` sums snapshots int
 whole server.
 
 The coordinator's other jobs: relay a wave start from one engine to all others (see
-``distributed/dp_group.py``), and keep membership. A lost engine (its process died, or a remote
-one went silent) does not take the server down: its requests fail with a retriable 503, new
-requests avoid it, ``/health`` says which ranks are gone, the survivors form a new process
-group (a new epoch), and a remote rank that comes back is taken in again.
+``distributed/dp_group.py``), and keep membership. A lost engine (its process died, a remote
+one went silent for --dp-timeout, or ``mark_rank_lost`` was called: the one entry point, also
+used by the Ray backend) does not take the server down: its requests that had started
+streaming fail with a retriable 503, those that had not are re-sent to a live engine (the
+client sees nothing), new requests avoid it, ``/health`` says which ranks are gone, the
+survivors form a new process group (a new epoch), and a rank that comes back is taken in
+again (``mark_rank_back``).
+
+Liveness before loss: an engine not heard from within 2.5 heartbeats gets no new request,
+and its un-started requests move to engines that speak; an output that arrives later from
+the engine a request left is dropped (each request's owner decides), so nothing is doubled.
+
+Drain (``drain`` / ``undrain``, ``llmtower ctl drain``): the engine gets no new request, its
+un-started requests move to the others, its running ones finish where they are; once it holds
+nothing it is drained (reported in the data-parallel view) and can be stopped or replaced.
 """
 from __future__ import annotations
 
@@ -48,6 +59,18 @@ logger = logging.getLogger(__name__)
 ENGINE_LOST = "engine_lost"
 # Utilities that change what every engine holds: run on all of them at one step boundary.
 COORDINATED = frozenset({"reset_prefix_cache", "defragment"})
+# An engine silent for this long gets no new request (it sends a heartbeat a second).
+QUIET_AFTER_S = 2.5 * HEARTBEAT_S
+
+
+@dataclasses.dataclass
+class DrainState:
+    """One engine's drain: when it began, how many un-started requests it moved to other
+    engines, and when the engine held no request any more (None: not yet)."""
+
+    since: float  # wall-clock time (time.time())
+    moved: int = 0
+    drained_at: float | None = None
 
 
 def engine_threads(args: EngineArgs) -> int:
@@ -110,6 +133,12 @@ class DPEngineCoreClient:
         self.epoch = -1
         self.lost: dict[int, str] = {}  # rank -> why it is gone
         self.num_wave_starts = 0
+        # Requests sent whose engine has sent nothing back for them yet: on a loss, a quiet
+        # engine or a drain they are re-sent elsewhere without the client noticing.
+        self._unstarted: dict[str, EngineCoreRequest] = {}
+        self.draining: dict[int, DrainState] = {}
+        self.num_retried = 0  # un-started requests re-sent to another engine
+        self._watcher: asyncio.Task | None = None
         self._next_op = 0  # the last coordinated operation's number
         self._closing = False
 
@@ -147,11 +176,11 @@ class DPEngineCoreClient:
         return [r for r in range(len(self.clients)) if r not in self.lost]
 
     def health(self) -> dict[str, Any]:
-        """For /health: which ranks serve and which are gone (and why)."""
+        """For /health: which ranks serve, which are drained or draining, which are gone."""
         return {"status": "degraded" if self.lost else "ok",
                 "data_parallel_size": len(self.clients), "live_ranks": self.live_ranks,
                 "lost_ranks": {str(r): why for r, why in sorted(self.lost.items())},
-                "epoch": self.epoch}
+                "draining_ranks": sorted(self.draining), "epoch": self.epoch}
 
     # ------------------------------------------------------------------ start
     async def start(self, timeout_s: float | None = None) -> EngineReady:
@@ -179,6 +208,7 @@ class DPEngineCoreClient:
         loop = asyncio.get_running_loop()
         self._forwarders = {i: loop.create_task(self._forward(i))
                             for i in range(len(self.clients))}
+        self._watcher = loop.create_task(self._watch_quiet())
         await self._set_membership()
         return self.ready
 
@@ -204,8 +234,9 @@ class DPEngineCoreClient:
 
     def _responsive(self, rank: int) -> bool:
         """Heard from lately (engines send at least a heartbeat a second): a rank that went
-        quiet is left out of a new group rather than letting every other rank wait for it."""
-        return time.monotonic() - self.clients[rank].last_heard < 2.5 * HEARTBEAT_S
+        quiet gets no new request and is left out of a new group rather than letting every
+        other rank wait for it."""
+        return time.monotonic() - self.clients[rank].last_heard < QUIET_AFTER_S
 
     async def _set_membership(self) -> None:
         """A new epoch: every live, responsive engine forms the process group of those
@@ -236,17 +267,29 @@ class DPEngineCoreClient:
 
     # ------------------------------------------------------------------ send
     async def add_request(self, request: EngineCoreRequest) -> None:
+        # Sent by a task of its own: a send to an engine that just died can wait for ever
+        # (its socket has no peer), and the caller must not wait with it: the request moves
+        # on (a quiet engine's, a lost one's) and its outputs come from its new engine.
         i = self._assign(request.request_id, request.prompt_token_ids)
-        try:
-            await self.clients[i].add_request(request)
-        except BaseException:
-            self._release(request.request_id)
-            raise
+        self._unstarted[request.request_id] = request
+        self._spawn(self._send_to(i, request))
 
-    def _assign(self, request_id: str, token_ids: list[int] | None = None) -> int:
-        """The engine the router picks (least loaded, prefix affinity; ties in turn)."""
+    def _eligible(self, exclude: int | None = None) -> list[bool]:
+        """Which engines may get a new request: live, not draining, heard from lately. When
+        none is (every one quiet: say the head's own loop stalled), the quiet ones rather than
+        a refusal; when only draining ones are left, those (serving beats failing)."""
+        n = range(len(self.clients))
+        live = [r not in self.lost and r != exclude for r in n]
+        base = [ok and r not in self.draining for r, ok in zip(n, live)]
+        fresh = [ok and self._responsive(r) for r, ok in zip(n, base)]
+        return fresh if any(fresh) else base if any(base) else live
+
+    def _assign(self, request_id: str, token_ids: list[int] | None = None,
+                exclude: int | None = None) -> int:
+        """The engine the router picks (least loaded, prefix affinity; ties in turn) among
+        the eligible ones."""
         try:
-            i = self.router.choose(self.loads, token_ids)
+            i = self.router.choose(self.loads, token_ids, self._eligible(exclude))
         except ValueError:
             raise EngineDeadError("no data-parallel engine is alive: "
                                   f"{self.health()['lost_ranks']}") from None
@@ -254,14 +297,68 @@ class DPEngineCoreClient:
         self.loads[i].in_flight += 1
         return i
 
+    def _resend(self, request: EngineCoreRequest, exclude: int) -> bool:
+        """Send an un-started request (already released) to another engine than
+        ``exclude``; False when no engine is left."""
+        try:
+            j = self._assign(request.request_id, request.prompt_token_ids, exclude)
+        except EngineDeadError:
+            return False
+        self._unstarted[request.request_id] = request
+        self.num_retried += 1
+        self._spawn(self._send_to(j, request))
+        return True
+
+    async def _send_to(self, rank: int, request: EngineCoreRequest) -> None:
+        rid = request.request_id
+        if self._owner.get(rid) != rank:
+            return  # aborted (or moved again) before it could be sent
+        try:
+            await self.clients[rank].add_request(request)
+        except EngineDeadError as e:  # that one is gone: its loss re-sends the request
+            self.mark_rank_lost(rank, str(e))
+        except Exception as e:  # never leave the caller waiting for an answer
+            logger.exception("sending request %s to data-parallel rank %d failed", rid, rank)
+            if self._owner.get(rid) == rank:
+                self._release(rid)
+                self._outputs.put_nowait(RequestError(rid, "invalid", f"cannot send the "
+                                                      f"request to engine {rank}: {e}"))
+
+    def _move_unstarted(self, rank: int) -> int:
+        """Re-send every request of ``rank`` that has not started (nothing came back) to the
+        other engines and abort it on ``rank``; how many moved."""
+        if not any(r != rank for r in self.live_ranks):
+            return 0
+        ids = [rid for rid, e in self._owner.items() if e == rank and rid in self._unstarted]
+        moved = []
+        for rid in ids:
+            request = self._unstarted[rid]
+            self._release(rid)
+            if self._resend(request, exclude=rank):
+                moved.append(rid)
+            else:  # cannot happen with another live engine; never leave a request hanging
+                self._fail_lost(rid, rank, "no other engine could take it")
+        if moved and rank not in self.lost:
+            # Should the engine run one anyway, its outputs are dropped (see _forward).
+            self.clients[rank].abort_requests_nowait(moved)
+        return len(moved)
+
+    def _fail_lost(self, request_id: str, rank: int, reason: str) -> None:
+        self._outputs.put_nowait(RequestError(
+            request_id, ENGINE_LOST, f"data-parallel rank {rank} was lost while serving this "
+            f"request ({reason}); retry it: other ranks are serving"))
+
     def engine_of(self, request_id: str) -> int | None:
         """The engine a request in flight was sent to (None once it is released)."""
         return self._owner.get(request_id)
 
     def _release(self, request_id: str) -> int | None:
+        self._unstarted.pop(request_id, None)
         i = self._owner.pop(request_id, None)
         if i is not None:
             self.loads[i].in_flight -= 1
+            if self.draining and i in self.draining:
+                self._check_drained(i)
         return i
 
     def _by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
@@ -320,12 +417,22 @@ class DPEngineCoreClient:
             method, *args, result_type=result_type, timeout_s=timeout_s)
 
     async def data_parallel_view(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Health, the router's counters, wave starts and each live engine's ``DPStatus``."""
-        statuses = await self.call_utility_each("dp_status", result_type=DPStatus,
-                                                timeout_s=timeout_s)
+        """Health, the router's counters, wave starts, drains and each live engine's
+        ``DPStatus`` (an engine that does not answer in time, e.g. a dead host not yet
+        declared lost, is listed in ``unanswered`` instead of failing the whole view)."""
+        live = self.live_ranks
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no data-parallel engine is alive")
+        answers = await asyncio.gather(*(
+            self.clients[r].call_utility("dp_status", result_type=DPStatus, timeout_s=timeout_s)
+            for r in live), return_exceptions=True)
+        statuses = [a for a in answers if isinstance(a, DPStatus)]
         return {**self.health(), "routed": self.router.num_routed,
                 "prefix_affinity_hits": self.router.num_affinity_hits,
-                "wave_starts": self.num_wave_starts,
+                "wave_starts": self.num_wave_starts, "retried": self.num_retried,
+                "quiet_ranks": [r for r in self.live_ranks if not self._responsive(r)],
+                "draining": {str(r): self.drain_status(r) for r in sorted(self.draining)},
+                "unanswered": [r for r, a in zip(live, answers) if not isinstance(a, DPStatus)],
                 "engines": [dataclasses.asdict(s) for s in statuses]}
 
     # ------------------------------------------------------------------ receive
@@ -347,11 +454,24 @@ class DPEngineCoreClient:
             if isinstance(item, DPEvent):
                 self._on_dp_event(i, item)
                 continue
+            owner = self._owner
             if isinstance(item, RequestError):
+                if owner.get(item.request_id) != i:
+                    continue  # the request left this engine (moved, aborted): not its answer
                 self._release(item.request_id)
             else:
                 item.engine_index = i
+                if any(owner.get(out.request_id) != i for out in item.outputs):
+                    # From an engine the request left (moved on, or aborted here): the
+                    # request's new engine speaks for it, so nothing reaches the client twice.
+                    item.outputs = [out for out in item.outputs if owner.get(out.request_id) == i]
+                    item.request_errors = [e for e in item.request_errors
+                                           if owner.get(e[0]) == i]
+                    if not item.outputs and not item.request_errors and \
+                            item.scheduler_stats is None:
+                        continue  # nothing left for the client
                 for out in item.outputs:
+                    self._unstarted.pop(out.request_id, None)  # started: never re-sent
                     if out.finish_reason is not None:
                         self._release(out.request_id)
                 if item.scheduler_stats is not None:
@@ -375,7 +495,15 @@ class DPEngineCoreClient:
         elif event.kind == "group_broken" and not self._closing:
             logger.warning("rank %d reports the process group of epoch %d broken: %s", rank,
                            event.epoch, event.detail.splitlines()[0] if event.detail else "")
-            self._spawn(self._set_membership())
+            self._spawn(self._reform_after_break(event.epoch))
+
+    async def _reform_after_break(self, epoch: int) -> None:
+        """A new group once a peer that broke it has had time to go quiet: a rank that died a
+        moment ago still counts as heard from, and a group formed with it would hold every
+        member's busy loop for --dp-timeout. The engines serve alone meanwhile."""
+        await asyncio.sleep(QUIET_AFTER_S + HEARTBEAT_S)
+        if self.epoch == epoch and not self._closing:  # not already re-formed (a loss, ...)
+            await self._set_membership()
 
     async def _call_quietly(self, rank: int, method: str, *args: Any) -> None:
         try:
@@ -390,21 +518,37 @@ class DPEngineCoreClient:
         task.add_done_callback(self._background.discard)
 
     def _lose(self, rank: int, reason: str) -> None:
-        """Rank ``rank`` is gone: fail its requests (retriable), route around it, form the
-        group of the survivors, and wait for a remote rank to come back."""
+        self.mark_rank_lost(rank, reason)
+
+    def mark_rank_lost(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` is gone NOW (its process died, its host went silent, Ray reported its
+        actor dead): route around it, re-send its un-started requests to live engines, fail
+        those that had started streaming with the retriable 503, form the group of the
+        survivors, and (a remote rank) wait for it to come back. Safe to call twice; call it
+        on the server's event loop (from another thread: ``loop.call_soon_threadsafe``)."""
+        if not 0 <= rank < len(self.clients):
+            raise ValueError(f"rank {rank} does not exist: 0..{len(self.clients) - 1}")
         if self._closing or rank in self.lost:
             return
         self.lost[rank] = reason
         self.loads[rank].alive = False
         self.router.forget_engine(rank)
-        failed = [rid for rid, e in self._owner.items() if e == rank]
-        logger.error("data-parallel rank %d lost (%s); failing its %d request(s), serving on "
-                     "ranks %s", rank, reason, len(failed), self.live_ranks)
-        for rid in failed:
+        forwarder = self._forwarders.get(rank)
+        if forwarder is not None and forwarder is not asyncio.current_task():
+            forwarder.cancel()  # its client is given up; a new one forwards if it comes back
+        owned = [rid for rid, e in self._owner.items() if e == rank]
+        failed = retried = 0
+        for rid in owned:
+            request = self._unstarted.get(rid)
             self._release(rid)
-            self._outputs.put_nowait(RequestError(
-                rid, ENGINE_LOST, f"data-parallel rank {rank} was lost while serving this "
-                f"request ({reason}); retry it: other ranks are serving"))
+            if request is not None and self._resend(request, exclude=rank):
+                retried += 1
+            else:
+                failed += 1
+                self._fail_lost(rid, rank, reason)
+        logger.error("data-parallel rank %d lost (%s); %d request(s) that had started failed, "
+                     "%d re-sent; serving on ranks %s", rank, reason, failed, retried,
+                     self.live_ranks)
         self.loads[rank] = EngineLoad(alive=False)
         self._stats[rank] = SchedulerStats()
         if not self.live_ranks:
@@ -413,6 +557,24 @@ class DPEngineCoreClient:
         self._spawn(self._set_membership())
         if isinstance(self.clients[rank], RemoteEngineClient):
             self._spawn(self._rejoin(rank))
+
+    def mark_rank_back(self, rank: int) -> bool:
+        """Rank ``rank`` serves again: its client (``self.clients[rank]``) has done its
+        handshake (a restarted headless host, a restarted Ray actor). It gets requests again
+        (unless drained), its outputs are forwarded, and a new epoch takes it in. False (and
+        nothing done) when it was not lost or its client is not started yet."""
+        if self._closing or rank not in self.lost or self.clients[rank].ready is None:
+            return False
+        logger.info("data-parallel rank %d is back", rank)
+        del self.lost[rank]
+        self.loads[rank] = EngineLoad()
+        self._stats[rank] = SchedulerStats()
+        old = self._forwarders.get(rank)
+        if old is not None and not old.done():
+            old.cancel()
+        self._forwarders[rank] = asyncio.get_running_loop().create_task(self._forward(rank))
+        self._spawn(self._set_membership())
+        return True
 
     async def _rejoin(self, rank: int) -> None:
         """Wait (for ever) for a restarted remote rank, then take it in again."""
@@ -423,13 +585,80 @@ class DPEngineCoreClient:
             await client.start(timeout_s=None)
         except (EngineStartupError, asyncio.CancelledError):
             return
-        if self._closing:
-            return
-        logger.info("data-parallel rank %d is back", rank)
-        del self.lost[rank]
-        self.loads[rank] = EngineLoad()
-        self._forwarders[rank] = asyncio.get_running_loop().create_task(self._forward(rank))
-        await self._set_membership()
+        if not self._closing:
+            self.mark_rank_back(rank)
+
+    async def _watch_quiet(self) -> None:
+        """An engine silent for 2.5 heartbeats gets no new request (``_eligible``); here its
+        un-started requests move to engines that speak, at once rather than after
+        --dp-timeout (when its loss is declared)."""
+        while not self._closing:
+            await asyncio.sleep(HEARTBEAT_S / 2)
+            live = self.live_ranks
+            speaking = [r for r in live if self._responsive(r)]
+            for r in live:
+                if speaking and r not in speaking and any(e == r for e in self._owner.values()):
+                    moved = self._move_unstarted(r)
+                    if moved:
+                        logger.warning("data-parallel rank %d silent for %.1f s: %d un-started "
+                                       "request(s) moved to ranks %s", r, time.monotonic() -
+                                       self.clients[r].last_heard, moved, speaking)
+
+    # ------------------------------------------------------------------ drain
+    def drain(self, rank: int) -> dict[str, Any]:
+        """Stop routing to ``rank``, move its un-started requests to the others, let its
+        running ones finish; it is drained once it holds nothing (``drain_status``). It
+        stays out of routing (across a restart too) until ``undrain``. ValueError when no
+        other engine would serve."""
+        self._check_rank(rank)
+        if rank not in self.draining:
+            others = [r for r in self.live_ranks if r != rank and r not in self.draining]
+            if not others:
+                raise ValueError(f"cannot drain engine {rank}: no other engine would serve "
+                                 f"(live: {self.live_ranks}, draining: {sorted(self.draining)})"
+                                 "; undrain one first or add an engine")
+            state = self.draining[rank] = DrainState(since=time.time())
+            state.moved = self._move_unstarted(rank)
+            logger.info("data-parallel rank %d draining: %d un-started request(s) moved to "
+                        "ranks %s, %d running left to finish", rank, state.moved, others,
+                        self.loads[rank].in_flight)
+            self._check_drained(rank)
+        return self.drain_status(rank)
+
+    def undrain(self, rank: int) -> dict[str, Any]:
+        """Route to ``rank`` again (it must be live to get requests)."""
+        self._check_rank(rank)
+        if self.draining.pop(rank, None) is not None:
+            logger.info("data-parallel rank %d undrained: routed to again", rank)
+        return self.drain_status(rank)
+
+    def set_draining(self, engine_index: int, draining: bool) -> dict[str, Any] | None:
+        """EngineClient.set_draining: ``drain`` or ``undrain``."""
+        return self.drain(engine_index) if draining else self.undrain(engine_index)
+
+    def drain_status(self, rank: int) -> dict[str, Any]:
+        """Whether ``rank`` is draining / drained, what it still holds, what moved off it."""
+        self._check_rank(rank)
+        state = self.draining.get(rank)
+        return {"engine_index": rank, "draining": state is not None,
+                "drained": state is not None and state.drained_at is not None,
+                "in_flight": self.loads[rank].in_flight, "lost": rank in self.lost,
+                "moved": state.moved if state else 0, "since": state.since if state else None,
+                "drained_at": state.drained_at if state else None}
+
+    def _check_drained(self, rank: int) -> None:
+        state = self.draining.get(rank)
+        if state is not None and state.drained_at is None and self.loads[rank].in_flight == 0:
+            state.drained_at = time.time()
+            logger.info("data-parallel rank %d drained: it holds no request (%.1f s); it can "
+                        "be stopped or replaced (`llmtower ctl undrain --engine-id %d` routes "
+                        "to it again)", rank, state.drained_at - state.since, rank)
+
+    def _check_rank(self, rank: int) -> None:
+        n = len(self.clients)
+        if not 0 <= rank < n:
+            raise ValueError(f"engine_id={rank} does not exist: this server runs {n} "
+                             f"engine(s), 0..{n - 1}")
 
     # ------------------------------------------------------------------ death and shutdown
     def mark_dead(self, reason: str) -> None:
@@ -444,6 +673,8 @@ class DPEngineCoreClient:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._closing = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         for task in [*self._forwarders.values(), *self._background]:
             task.cancel()
         # Ask every engine first, then wait: they stop in parallel, not one after another.
