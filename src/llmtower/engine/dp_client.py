@@ -1,5 +1,9 @@
 """Data parallelism: N engines (ranks) behind one API server, on this host or on several.
 
+(Over 500 lines on purpose: routing, loss and return, liveness and drain all read and change
+one table, which engine owns each request; kept in one class so that its invariant -- a request
+has one owner, and only the owner's outputs pass -- can be checked in one place.)
+
   head host: API process                            engine processes (one model copy, one KV
   ┌───────────────────────────────────────┐         cache, one scheduler each)
   │ AsyncLLM                              │ ─ipc──▶ rank 0 ┐
