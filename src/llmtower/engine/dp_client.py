@@ -112,6 +112,7 @@ class DPEngineCoreClient:
         self.num_wave_starts = 0
         self._next_op = 0  # the last coordinated operation's number
         self._closing = False
+        self._ray: Any = None  # RayEngines with --data-parallel-backend ray
 
     def _make_client(self, rank: int) -> EngineCoreClient:
         if rank not in self.topology.local_ranks:
@@ -159,6 +160,8 @@ class DPEngineCoreClient:
         remote one; if one fails (or a remote rank does not arrive in time), stop them all
         and raise an error that names the rank."""
         self._start_store()
+        if self.engine_args.data_parallel_backend == "ray":
+            await self._start_ray(timeout_s)
         remote_timeout = timeout_s if timeout_s is not None else \
             self.engine_args.dp_startup_timeout
         results = await asyncio.gather(
@@ -181,6 +184,16 @@ class DPEngineCoreClient:
                             for i in range(len(self.clients))}
         await self._set_membership()
         return self.ready
+
+    async def _start_ray(self, timeout_s: float | None) -> None:
+        """Every rank is a Ray actor that connects back like a --headless rank."""
+        from llmtower.engine.ray_engines import RayEngines
+        self._ray = RayEngines(self.engine_args, self.engine_factory, self.mark_rank_lost)
+        try:
+            await self._ray.start(timeout_s or self.engine_args.dp_startup_timeout)
+        except Exception as e:
+            self.shutdown()
+            raise EngineStartupError(f"cannot start the engines on Ray: {e}") from None
 
     def _start_store(self) -> None:
         import torch.distributed as dist
@@ -389,6 +402,11 @@ class DPEngineCoreClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def mark_rank_lost(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` is gone NOW (e.g. Ray reported its actor dead): no waiting for its
+        silence to pass --dp-timeout."""
+        self._lose(rank, reason)
+
     def _lose(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone: fail its requests (retriable), route around it, form the
         group of the survivors, and wait for a remote rank to come back."""
@@ -451,6 +469,8 @@ class DPEngineCoreClient:
             c.begin_shutdown()
         for c in self.clients:
             c.finish_shutdown(timeout_s)
+        if self._ray is not None:
+            self._ray.stop()
         self._store = None
         if self._dead_reason is None:
             self._dead_reason = "the engines were shut down"
