@@ -404,8 +404,10 @@ class DPEngineCoreClient:
 
     def mark_rank_lost(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone NOW (e.g. Ray reported its actor dead): no waiting for its
-        silence to pass --dp-timeout."""
-        self._lose(rank, reason)
+        silence to pass --dp-timeout. Before the start is complete a lost rank fails the
+        start instead (its client's wait ends with an error)."""
+        if self.ready is not None:
+            self._lose(rank, reason)
 
     def _lose(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone: fail its requests (retriable), route around it, form the

@@ -60,6 +60,9 @@ class RayEngines:
                                                   engine_args.ray_placement)
         self.threads = max(1, int(cpus))
         self.actors: list[Any] = []
+        # Each rank's node (id, address) and pid as its actor reported them before starting
+        # the engine; None while the rank is not running.
+        self.placed: list[dict[str, str] | None] = [None] * engine_args.data_parallel_size
         self._pg: Any = None
         self._started_ray = False
         self._tasks: list[asyncio.Task] = []
@@ -102,12 +105,14 @@ class RayEngines:
         backoff = BACKOFF_S
         while not self._closing:
             started = time.monotonic()
-            ref = self.actors[rank].run.remote(
-                EngineCoreProc.run_engine_core, self.engine_factory, args,
-                self.topology.input_address(rank), self.topology.output_address(rank))
+            actor = self.actors[rank]
             restarting = False
             try:
-                await ref
+                # Where it runs, asked first: once the engine runs, the actor is busy for good.
+                self.placed[rank] = await actor.where.remote()
+                await actor.run.remote(
+                    EngineCoreProc.run_engine_core, self.engine_factory, args,
+                    self.topology.input_address(rank), self.topology.output_address(rank))
                 reason = "its engine returned"
             except asyncio.CancelledError:
                 raise
@@ -116,6 +121,7 @@ class RayEngines:
                 kind = "died" if ray_backend.is_actor_error(e) else "failed"
                 first = str(e).splitlines()[0] if str(e) else ""
                 reason = f"Ray reports the engine actor {kind}: {type(e).__name__}: {first}"
+            self.placed[rank] = None
             if self._closing:
                 return
             self.on_lost(rank, reason)  # a no-op while the rank is already lost
@@ -124,15 +130,6 @@ class RayEngines:
             else:  # died right after its start: a crash loop, slow it down
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
             await asyncio.sleep(backoff)
-
-    async def where(self, timeout_s: float = 10.0) -> list[dict[str, str] | None]:
-        """Each rank's node (id, address) and pid as Ray sees it; None where it is not up."""
-        async def one(actor: Any) -> dict[str, str] | None:
-            try:
-                return await asyncio.wait_for(actor.where.remote(), timeout_s)
-            except Exception:
-                return None
-        return list(await asyncio.gather(*(one(a) for a in self.actors)))
 
     def stop(self) -> None:
         """End the actors (without restart), release the bundles, leave a Ray started here."""
