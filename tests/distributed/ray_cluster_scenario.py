@@ -32,6 +32,7 @@ from tests.distributed.dp_hosts import free_port_range, wait_until
 from tests.engine.fake_engine_factory import make_slow_fake_engine
 
 PROMPT = "Hello world"
+LOAD_TOKENS = 100  # long enough to be streaming when the node goes; within max_model_len 128
 T0 = time.monotonic()
 
 
@@ -115,7 +116,7 @@ async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> d
         res["victim_rank"] = victim
         _step(f"outputs compared; ranks on {res['nodes_of_ranks']}; loading")
         started = [asyncio.Event() for _ in range(8)]
-        load = [asyncio.ensure_future(_outcome(llm, f"load{i}", 300, started[i]))
+        load = [asyncio.ensure_future(_outcome(llm, f"load{i}", LOAD_TOKENS, started[i]))
                 for i in range(8)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
         t_kill = time.monotonic()

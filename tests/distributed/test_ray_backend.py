@@ -108,7 +108,7 @@ def test_a_lost_node_fails_only_streaming_requests_and_new_ones_succeed(run):
     assert "Ray reports the engine actor" in run["loss_reason"]
     assert run["loss_seen_s"] < 10  # Ray's word, not --dp-timeout's silence
     for r in run["load"]:  # all had streamed before the loss: done, or the retryable 503
-        assert (r["ok"] and r["tokens"] == 300) or (r["lost"] and r["streamed"]), r
+        assert (r["ok"] and r["tokens"] == 100) or (r.get("lost") and r["streamed"]), r
     assert sum(not r["ok"] for r in run["load"]) > 0  # the lost engine had some of them
     assert all(r["ok"] and r["tokens"] == 8 for r in run["new_after_loss"]), run["new_after_loss"]
 
