@@ -404,8 +404,8 @@ class DPEngineCoreClient:
 
     def mark_rank_lost(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone NOW (e.g. Ray reported its actor dead): no waiting for its
-        silence to pass --dp-timeout. Before the start is complete a lost rank fails the
-        start instead (its client's wait ends with an error)."""
+        silence to pass --dp-timeout. Before the start is complete nothing is routed yet:
+        the start keeps waiting for the rank (a restarted engine is taken as it arrives)."""
         if self.ready is not None:
             self._lose(rank, reason)
 
@@ -466,6 +466,8 @@ class DPEngineCoreClient:
         self._closing = True
         for task in [*self._forwarders.values(), *self._background]:
             task.cancel()
+        if self._ray is not None:  # engines that exit now are not run again by Ray
+            self._ray.unwatch()
         # Ask every engine first, then wait: they stop in parallel, not one after another.
         for c in self.clients:
             c.begin_shutdown()

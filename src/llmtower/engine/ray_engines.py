@@ -131,11 +131,15 @@ class RayEngines:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
             await asyncio.sleep(backoff)
 
-    def stop(self) -> None:
-        """End the actors (without restart), release the bundles, leave a Ray started here."""
+    def unwatch(self) -> None:
+        """Stop watching and re-running the engines (the head is shutting them down)."""
         self._closing = True
         for task in self._tasks:
             task.cancel()
+
+    def stop(self) -> None:
+        """End the actors (without restart), release the bundles, leave a Ray started here."""
+        self.unwatch()
         for actor in self.actors:
             ray_backend.stop_actor(actor)
         if self._pg is not None:
