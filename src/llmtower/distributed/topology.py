@@ -11,7 +11,9 @@ from P, so nothing else has to be configured:
     P + 2 + 2*rank     rank's output socket (head PULL  <--bind--  engine PUSH --connect--)
 
 Engines connect, the head binds: engines may start before the head or after it (ZMQ retries
-the connection), in any order.
+the connection), in any order. With the Ray backend (``backend="ray"``) the head runs no
+engine itself: every rank is a Ray actor that connects back like a ``--headless`` host with
+one rank, rank 0 included.
 """
 from __future__ import annotations
 
@@ -30,8 +32,12 @@ class DPTopology:
     address: str = "127.0.0.1"
     rpc_port: int = 13345
     headless: bool = False
+    backend: str = "mp"  # "ray": every rank is a Ray actor, the head runs none
 
     def __post_init__(self) -> None:
+        if self.backend == "ray":
+            self._check_ray()
+            return
         if self.size < 1:
             raise ValueError(f"data_parallel_size={self.size} is invalid: use 1 or more")
         if not 1 <= self.size_local <= self.size:
@@ -49,6 +55,19 @@ class DPTopology:
             raise ValueError("a --headless host serves the ranks after the head's: give "
                              "--data-parallel-start-rank R with R >= the head's "
                              "--data-parallel-size-local")
+        self._check_ports()
+
+    def _check_ray(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"data_parallel_size={self.size} is invalid: use 1 or more")
+        if not self.headless and self.size_local != 0:
+            raise ValueError("with the Ray backend the head runs no engine (size_local=0)")
+        if self.headless and (self.size_local != 1 or not 0 <= self.start_rank < self.size):
+            raise ValueError("with --data-parallel-backend ray the engines are Ray actors that "
+                             "the head starts: run no --headless host by hand")
+        self._check_ports()
+
+    def _check_ports(self) -> None:
         last = self.rpc_port + 2 + 2 * (self.size - 1)
         if not 1024 <= self.rpc_port or last > 65535:
             raise ValueError(f"data_parallel_rpc_port={self.rpc_port} is invalid: ports "
@@ -57,7 +76,7 @@ class DPTopology:
     @property
     def multi_host(self) -> bool:
         """Some ranks live on other hosts: they talk TCP and join the process group."""
-        return self.size_local < self.size or self.headless
+        return self.size_local < self.size or self.headless or self.backend == "ray"
 
     @property
     def local_ranks(self) -> range:

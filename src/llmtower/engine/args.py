@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -234,6 +235,13 @@ class EngineArgs:
                                  "process it starts, not by hand")
     headless: bool = _f(False, "run only this host's data-parallel engines, no API server; they "
                         "connect to --data-parallel-address")
+    data_parallel_backend: str = _f("mp", "who starts the data-parallel engines: mp (this host's "
+                                    "processes, plus --headless hosts) or ray (Ray actors on the "
+                                    "cluster at RAY_ADDRESS; pip install 'llmtower[ray]')",
+                                    choices=["mp", "ray"])
+    ray_placement: str = _f("spread", "with --data-parallel-backend ray: spread the engines over "
+                            "the cluster's nodes, or pack them onto as few as fit",
+                            choices=["spread", "pack"])
     dp_sync_interval: int = _f(32, "steps between two syncs (an all-reduce) of the "
                                "data-parallel engines")
     dp_startup_timeout: float = _f(300.0, "seconds the head waits at start-up for the ranks of "
@@ -347,16 +355,34 @@ class EngineArgs:
             raise ValueError(f"dp_sync_interval={self.dp_sync_interval} is invalid: use 1 or more")
         if not self.dp_timeout > 0:
             raise ValueError(f"dp_timeout={self.dp_timeout} is invalid: give seconds > 0")
+        if self.data_parallel_backend == "ray" and not self.headless and (
+                self.data_parallel_size < 2 or self.data_parallel_size_local):
+            raise ValueError(
+                "--data-parallel-backend ray places all --data-parallel-size engines (2 or more) "
+                "on the Ray cluster itself: give --data-parallel-size 2 or more and no "
+                "--data-parallel-size-local (no --headless host is started by hand either)")
+        if self.data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+            from llmtower.distributed.ray_backend import RayUnavailableError, import_ray
+            try:
+                import_ray()
+            except RayUnavailableError as e:  # says how to install it
+                raise ValueError(str(e)) from None
         self.topology()  # a data-parallel layout that cannot work fails here, with its reason
         check_lora_args(self)
 
     def topology(self) -> DPTopology:
         from llmtower.distributed.topology import DPTopology
         return DPTopology(size=self.data_parallel_size,
-                          size_local=self.data_parallel_size_local or self.data_parallel_size,
+                          size_local=self._size_local(),
                           start_rank=self.data_parallel_start_rank,
                           address=self.data_parallel_address,
-                          rpc_port=self.data_parallel_rpc_port, headless=self.headless)
+                          rpc_port=self.data_parallel_rpc_port, headless=self.headless,
+                          backend=self.data_parallel_backend)
+
+    def _size_local(self) -> int:
+        if self.data_parallel_backend == "ray" and not self.headless:
+            return 0  # every engine is a Ray actor
+        return self.data_parallel_size_local or self.data_parallel_size
 
     def dp_group_config(self) -> DPGroupConfig | None:
         """How this engine joins the engines' process group (None: a single engine)."""

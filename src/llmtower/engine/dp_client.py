@@ -145,6 +145,7 @@ class DPEngineCoreClient:
         self._watcher: asyncio.Task | None = None
         self._next_op = 0  # the last coordinated operation's number
         self._closing = False
+        self._ray: Any = None  # RayEngines with --data-parallel-backend ray
 
     def _make_client(self, rank: int) -> EngineCoreClient:
         if rank not in self.topology.local_ranks:
@@ -192,6 +193,8 @@ class DPEngineCoreClient:
         remote one; if one fails (or a remote rank does not arrive in time), stop them all
         and raise an error that names the rank."""
         self._start_store()
+        if self.engine_args.data_parallel_backend == "ray":
+            await self._start_ray(timeout_s)
         remote_timeout = timeout_s if timeout_s is not None else \
             self.engine_args.dp_startup_timeout
         results = await asyncio.gather(
@@ -215,6 +218,16 @@ class DPEngineCoreClient:
         self._watcher = loop.create_task(self._watch_quiet())
         await self._set_membership()
         return self.ready
+
+    async def _start_ray(self, timeout_s: float | None) -> None:
+        """Every rank is a Ray actor that connects back like a --headless rank."""
+        from llmtower.engine.ray_engines import RayEngines
+        self._ray = RayEngines(self.engine_args, self.engine_factory, self._lost_by_ray)
+        try:
+            await self._ray.start(timeout_s or self.engine_args.dp_startup_timeout)
+        except Exception as e:
+            self.shutdown()
+            raise EngineStartupError(f"cannot start the engines on Ray: {e}") from None
 
     def _start_store(self) -> None:
         import torch.distributed as dist
@@ -521,6 +534,13 @@ class DPEngineCoreClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _lost_by_ray(self, rank: int, reason: str) -> None:
+        """Ray reported rank ``rank``'s actor dead. Before the start is complete nothing is
+        routed yet: the start keeps waiting for the rank (a restarted engine is taken as it
+        arrives)."""
+        if self.ready is not None:
+            self.mark_rank_lost(rank, reason)
+
     def _lose(self, rank: int, reason: str) -> None:
         self.mark_rank_lost(rank, reason)
 
@@ -681,11 +701,15 @@ class DPEngineCoreClient:
             self._watcher.cancel()
         for task in [*self._forwarders.values(), *self._background]:
             task.cancel()
+        if self._ray is not None:  # engines that exit now are not run again by Ray
+            self._ray.unwatch()
         # Ask every engine first, then wait: they stop in parallel, not one after another.
         for c in self.clients:
             c.begin_shutdown()
         for c in self.clients:
             c.finish_shutdown(timeout_s)
+        if self._ray is not None:
+            self._ray.stop()
         self._store = None
         if self._dead_reason is None:
             self._dead_reason = "the engines were shut down"
