@@ -72,6 +72,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                              "coordinator_no_prefix"],
                     help="how requests are spread over replicas: 'coordinator' is llmtower "
                          "serve's own data-parallel router (real load + prefix affinity)")
+    hw.add_argument("--workers", type=int, default=1,
+                    help="processes the replicas are split over (results do not depend on it; "
+                         "state-reading balancers need --routing-interval)")
+    hw.add_argument("--routing-interval", type=float, default=0.0, metavar="SECONDS",
+                    help="route on the replicas' state as of the last multiple of this many "
+                         "simulated seconds, as the real head does with its engines' stats "
+                         "snapshots (0.5 s there); 0: their state at each arrival (1 worker)")
     hw.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="fraction of device memory for weights + KV cache")
     hw.add_argument("--kv-cache-memory", default=None,
@@ -127,7 +134,8 @@ def sim_config_from(ns: argparse.Namespace):
                      load_balancer=ns.load_balancer,
                      gpu_memory_utilization=ns.gpu_memory_utilization,
                      kv_cache_memory=ns.kv_cache_memory, prefix_len=ns.prefix_len,
-                     slo=SLO.parse(ns.slo), oracle_output_len=ns.oracle_output_len)
+                     slo=SLO.parse(ns.slo), oracle_output_len=ns.oracle_output_len,
+                     workers=ns.workers, routing_interval=ns.routing_interval)
 
 
 def load_trace(ns: argparse.Namespace):

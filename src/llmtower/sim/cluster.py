@@ -41,6 +41,8 @@ class Replica:
 class RoundRobin:
     """Owns the next replica index: requests go to replicas in turn."""
 
+    uses_state = False  # routes on the index alone: a sharded run routes it up front
+
     def __init__(self) -> None:
         self._next = 0
 
@@ -62,6 +64,14 @@ class LeastLoaded:
                 best, best_load = r.index, load
         return best
 
+    def choose_loads(self, loads: list[EngineLoad], _token_ids: list[int] | None = None) -> int:
+        """The same rule on reported loads (a sharded run's head)."""
+        best, best_load = 0, loads[0].in_flight
+        for i in range(1, len(loads)):
+            if loads[i].in_flight < best_load:
+                best, best_load = i, loads[i].in_flight
+        return best
+
 
 class Coordinator:
     """The real data-parallel coordinator's rule (``distributed/routing.py``): each replica's
@@ -69,31 +79,33 @@ class Coordinator:
     The simulator sees the replicas' state at once where the real head sees snapshots up to
     half a second old."""
 
-    def __init__(self, prefix_aware: bool = True) -> None:
-        self.router: Router | None = None
+    def __init__(self, block_size: int, prefix_aware: bool = True) -> None:
+        self.router = Router(block_size, prefix_aware=prefix_aware)
         self.prefix_aware = prefix_aware
 
     def choose(self, replicas: list[Replica], token_ids: list[int] | None = None) -> int:
-        if self.router is None:
-            block_size = replicas[0].scheduler.cache_config.block_size
-            self.router = Router(block_size, prefix_aware=self.prefix_aware)
         loads = [EngineLoad(in_flight=r.load, waiting=len(r.scheduler.waiting),
                             running=len(r.scheduler.running), kv_usage=r.scheduler.kv.usage())
                  for r in replicas]
         return self.router.choose(loads, token_ids)
 
+    def choose_loads(self, loads: list[EngineLoad], token_ids: list[int] | None = None) -> int:
+        """The same rule on reported loads (a sharded run's head)."""
+        return self.router.choose(loads, token_ids)
 
-LOAD_BALANCERS: dict[str, Callable[[], object]] = {
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-    "coordinator": Coordinator,
-    "coordinator_no_prefix": lambda: Coordinator(prefix_aware=False),
+
+# name -> factory(block size of the replicas' KV cache, which prefix affinity hashes by)
+LOAD_BALANCERS: dict[str, Callable[[int], object]] = {
+    "round_robin": lambda _bs: RoundRobin(),
+    "least_loaded": lambda _bs: LeastLoaded(),
+    "coordinator": lambda bs: Coordinator(bs),
+    "coordinator_no_prefix": lambda bs: Coordinator(bs, prefix_aware=False),
 }
 
 
-def make_load_balancer(name: str):
+def make_load_balancer(name: str, block_size: int = 16):
     try:
-        return LOAD_BALANCERS[name]()
+        return LOAD_BALANCERS[name](block_size)
     except KeyError:
         raise ValueError(f"load_balancer={name!r} is invalid: use one of "
                          f"{', '.join(LOAD_BALANCERS)}") from None

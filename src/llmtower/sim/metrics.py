@@ -150,6 +150,25 @@ class MetricsCollector:
     def num_unfinished(self) -> int:
         return len(self._index)
 
+    @classmethod
+    def merge(cls, parts: list[MetricsCollector], num_replicas: int) -> MetricsCollector:
+        """One collector from those of disjoint sets of replicas (a sharded run). Rows come
+        in shard order; the report orders them by trace index, as it does for any run."""
+        out = cls(num_replicas)
+        for p in parts:
+            for name in RequestLog.__dataclass_fields__:
+                getattr(out.log, name).extend(getattr(p.log, name))
+            for i, tl in enumerate(p.timelines):
+                if len(tl.t):
+                    out.timelines[i] = tl
+            out.rejected.update(p.rejected)
+            for g, c in p.itl_counts.items():
+                out.itl_counts[g] = out.itl_counts.get(g, 0) + c
+            out._last_token.update(p._last_token)
+            out._index.update(p._index)
+            out.first_arrival = min(out.first_arrival, p.first_arrival)
+        return out
+
 
 # ---------------------------------------------------------------------- summaries
 def latency_stats(seconds: np.ndarray) -> dict[str, float]:

@@ -34,11 +34,17 @@ class PromptFactory:
         return bytes(buf[:n])
 
     def token_ids(self, tr: TraceRequest) -> list[int]:
+        enc = self.encoded(tr)
+        return enc if isinstance(enc, list) else list(enc)
+
+    def encoded(self, tr: TraceRequest) -> bytes | list[int]:
+        """The prompt as ``token_ids`` gives it, generated ones still as bytes (one id each):
+        what a sharded run sends its workers, at C speed."""
         if tr.prompt_token_ids is not None:
             return tr.prompt_token_ids
         n = tr.prompt_len
         if tr.prefix_group is None:
-            return list(self._rng.randbytes(n))
+            return self._rng.randbytes(n)
         plen = self.default_prefix_len if tr.prefix_len is None else tr.prefix_len
         plen = min(plen, n)
-        return list(self._prefix(tr.prefix_group, plen) + self._rng.randbytes(n - plen))
+        return self._prefix(tr.prefix_group, plen) + self._rng.randbytes(n - plen)

@@ -42,17 +42,20 @@ def build_result(stats: RunStats) -> SimResult:
     m = stats.metrics
     log = m.log
     trace = stats.trace
-    idx = np.asarray(log.index, dtype=np.int64)
+    # Rows in trace order: the same for any event order among replicas (a sharded run's shards
+    # finish in their own order), so sums and means come out bit for bit the same.
+    order = np.argsort(np.asarray(log.index, dtype=np.int64), kind="stable")
+    idx = np.asarray(log.index, dtype=np.int64)[order]
     cols = {
         "index": idx,
-        "replica": np.asarray(log.replica, dtype=np.int64),
-        "ttft": np.asarray(log.ttft, dtype=np.float64),
-        "e2e": np.asarray(log.e2e, dtype=np.float64),
-        "finish": np.asarray(log.finish, dtype=np.float64),
-        "prompt_tokens": np.asarray(log.prompt_tokens, dtype=np.int64),
-        "output_tokens": np.asarray(log.output_tokens, dtype=np.int64),
-        "cached_tokens": np.asarray(log.cached_tokens, dtype=np.int64),
-        "preemptions": np.asarray(log.preemptions, dtype=np.int64),
+        "replica": np.asarray(log.replica, dtype=np.int64)[order],
+        "ttft": np.asarray(log.ttft, dtype=np.float64)[order],
+        "e2e": np.asarray(log.e2e, dtype=np.float64)[order],
+        "finish": np.asarray(log.finish, dtype=np.float64)[order],
+        "prompt_tokens": np.asarray(log.prompt_tokens, dtype=np.int64)[order],
+        "output_tokens": np.asarray(log.output_tokens, dtype=np.int64)[order],
+        "cached_tokens": np.asarray(log.cached_tokens, dtype=np.int64)[order],
+        "preemptions": np.asarray(log.preemptions, dtype=np.int64)[order],
         "priority": np.asarray([trace[i].priority for i in idx], dtype=np.int64),
         "arrival": np.asarray([trace[i].arrival_time for i in idx], dtype=np.float64),
     }
@@ -63,11 +66,12 @@ def build_result(stats: RunStats) -> SimResult:
     completed = len(idx)
     out_tok = int(cols["output_tokens"].sum())
     in_tok = int(cols["prompt_tokens"].sum())
-    itl_v = np.fromiter(m.itl_counts.keys(), dtype=np.float64, count=len(m.itl_counts))
-    itl_c = np.fromiter(m.itl_counts.values(), dtype=np.int64, count=len(m.itl_counts))
-    scheds = [r.scheduler for r in stats.replicas]
-    queries = sum(s.kv.prefix_cache_queries for s in scheds)
-    hits = sum(s.kv.prefix_cache_hits for s in scheds)
+    itl = sorted(m.itl_counts.items())  # by value: independent of the order of events
+    itl_v = np.fromiter((g for g, _ in itl), dtype=np.float64, count=len(itl))
+    itl_c = np.fromiter((c for _, c in itl), dtype=np.int64, count=len(itl))
+    reps = stats.replicas
+    queries = sum(r.prefix_cache_queries for r in reps)
+    hits = sum(r.prefix_cache_hits for r in reps)
     summary: dict[str, Any] = {
         "completed": completed,
         "rejected": len(m.rejected),
@@ -82,12 +86,12 @@ def build_result(stats: RunStats) -> SimResult:
         "tpot_ms": latency_stats(tpot_seconds(cols["ttft"], cols["e2e"], cols["output_tokens"])),
         "itl_ms": weighted_latency_stats(itl_v, itl_c),
         "e2el_ms": latency_stats(cols["e2e"]),
-        "num_preemptions": sum(s.num_preemptions for s in scheds),
-        "num_swap_outs": sum(s.num_swap_outs for s in scheds),
-        "num_swap_ins": sum(s.num_swap_ins for s in scheds),
+        "num_preemptions": sum(r.num_preemptions for r in reps),
+        "num_swap_outs": sum(r.num_swap_outs for r in reps),
+        "num_swap_ins": sum(r.num_swap_ins for r in reps),
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "peak_kv_usage": max(r.peak_kv_usage for r in stats.replicas),
-        "num_steps": sum(r.executor.num_steps for r in stats.replicas),
+        "num_steps": sum(r.num_steps for r in stats.replicas),
         "wall_s": stats.wall_s,
         "sim_requests_per_wall_s": len(trace) / stats.wall_s if stats.wall_s > 0 else 0.0,
     }
@@ -103,9 +107,9 @@ def build_result(stats: RunStats) -> SimResult:
     by_replica = [{
         "replica": r.index,
         "completed": int((cols["replica"] == r.index).sum()),
-        "busy_s": r.executor.busy_s,
-        "num_steps": r.executor.num_steps,
-        "num_preemptions": r.scheduler.num_preemptions,
+        "busy_s": r.busy_s,
+        "num_steps": r.num_steps,
+        "num_preemptions": r.num_preemptions,
         "peak_kv_usage": r.peak_kv_usage,
     } for r in stats.replicas]
     config = {

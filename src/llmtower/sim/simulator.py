@@ -13,25 +13,25 @@ all of them consistent with the global order of events.
 from __future__ import annotations
 
 import gc
-import heapq
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from llmtower.core.errors import AdmissionError, QueueFullError
-from llmtower.core.request import Request
-from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs, parse_bytes
 from llmtower.sim.cluster import Replica, make_load_balancer
 from llmtower.sim.cost_model import CostModel
 from llmtower.sim.metrics import SLO, MetricsCollector
 from llmtower.sim.profiles import DeviceProfile, ModelProfile, load_device, load_model
 from llmtower.sim.prompts import PromptFactory
+from llmtower.sim.shard import SIM_TOKEN, ReplicaShard, ReplicaTotals
+from llmtower.sim.sharded import route_sharded
 from llmtower.sim.workload import TraceRequest
 
+__all__ = ["SIM_TOKEN", "SimConfig", "RunStats", "Simulator"]
+
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# progress(simulated seconds, requests done); called every PROGRESS_EVERY events.
+# progress(simulated seconds, requests done); called every PROGRESS_EVERY requests.
 ProgressFn = Callable[[float, int], None]
 PROGRESS_EVERY = 4096
 
@@ -62,11 +62,27 @@ class SimConfig:
     # context) and the request ends with an EOS at its length, as real requests do; SJF then
     # relies on its online predictor.
     oracle_output_len: bool = True
+    # Processes the replicas are split over (sharded.py); the results do not depend on it.
+    workers: int = 1
+    # > 0: route on the replicas' state as of the last multiple of this many simulated seconds
+    # (the real head's stats snapshots; required by state-reading balancers when workers > 1).
+    # 0: on their state at each arrival, in one process.
+    routing_interval: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas={self.num_replicas} must be >= 1")
         make_load_balancer(self.load_balancer)
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers} must be >= 1")
+        if self.routing_interval < 0:
+            raise ValueError(f"routing_interval={self.routing_interval} must be >= 0 (seconds)")
+        if (self.workers > 1 and self.routing_interval == 0
+                and getattr(make_load_balancer(self.load_balancer), "uses_state", True)):
+            raise ValueError(f"load_balancer={self.load_balancer!r} routes on the replicas' "
+                             "state, which a run over several workers sees in snapshots: set "
+                             "routing_interval > 0 (--routing-interval 0.5, the real head's "
+                             "stats interval) or workers=1")
 
 
 @dataclass
@@ -81,7 +97,7 @@ class RunStats:
     max_model_len: int
     trace: list[TraceRequest]
     metrics: MetricsCollector
-    replicas: list[Replica]
+    replicas: list[ReplicaTotals]  # by index
     wall_s: float
     num_events: int
 
@@ -112,112 +128,56 @@ class Simulator:
         self.cache_config = eng.create_cache_config(self.num_blocks, self.num_cpu_blocks)
 
     def run(self, trace: list[TraceRequest], progress: ProgressFn | None = None) -> RunStats:
-        """Replay ``trace``; ``progress(simulated_now, num_finished)`` is called every few
-        thousand events (for a progress bar) and once at the end."""
+        """Replay ``trace``; ``progress(simulated_now, num_done)`` is called every few
+        thousand requests (for a progress bar) and once at the end (a run over workers counts
+        the requests routed so far, the head does not see them finish)."""
+        cfg = self.config
+        with few_gc_passes():
+            t0 = time.perf_counter()
+            if cfg.workers == 1 and cfg.routing_interval == 0:
+                metrics, totals, events = self._run(trace, progress)
+            else:
+                metrics, totals, events = route_sharded(
+                    trace, self._balancer(), cfg.num_replicas, self._make_shard,
+                    PromptFactory(cfg.engine.seed, cfg.prefix_len), cfg.workers,
+                    cfg.routing_interval, progress)
+            wall = time.perf_counter() - t0
+        if progress is not None:
+            progress(max((tl.t[-1] for tl in metrics.timelines if len(tl.t)), default=0.0),
+                     len(trace))
+        return RunStats(cfg, self.device, self.model, self.num_blocks, self.num_cpu_blocks,
+                        self.max_model_len, trace, metrics, totals, wall, events)
+
+    def _balancer(self):
+        return make_load_balancer(self.config.load_balancer, self.cache_config.block_size)
+
+    def _make_shard(self, indices: list[int]) -> ReplicaShard:
         cfg = self.config
         replicas = [Replica(i, self.scheduler_config, self.cache_config, self.cost_model)
-                    for i in range(cfg.num_replicas)]
-        with _few_gc_passes():
-            return self._run(trace, replicas, progress)
+                    for i in indices]
+        return ReplicaShard(replicas, cfg.num_replicas, self.max_model_len,
+                            cfg.oracle_output_len, self.scheduler_config.policy == "priority")
 
-    def _run(self, trace: list[TraceRequest], replicas: list[Replica],
-             progress: ProgressFn | None = None) -> RunStats:
+    def _run(self, trace: list[TraceRequest], progress: ProgressFn | None = None
+             ) -> tuple[MetricsCollector, list[ReplicaTotals], int]:
+        """One process, one heap, routing on the replicas' state at each arrival."""
         cfg = self.config
-        balancer = make_load_balancer(cfg.load_balancer)
-        metrics = MetricsCollector(cfg.num_replicas)
+        balancer = self._balancer()
         prompts = PromptFactory(cfg.engine.seed, cfg.prefix_len)
-        use_priority = self.scheduler_config.policy == "priority"
-        params: dict[int, SamplingParams] = {}
-        oracle = cfg.oracle_output_len
-        heap: list[tuple[float, int, int]] = []  # (time, sequence, replica): step boundaries
-        wake = [False] * len(replicas)  # a step-start event is in the heap
-        seq = 0
-        i, n = 0, len(trace)
-        events = 0
-        t0 = time.perf_counter()
-        while i < n or heap:
-            events += 1
-            if progress is not None and events % PROGRESS_EVERY == 0:
-                now = heap[0][0] if heap else trace[i].arrival_time
-                progress(now, i - metrics.num_unfinished)
-            if i < n and (not heap or trace[i].arrival_time <= heap[0][0]):
-                tr = trace[i]
-                ids = prompts.token_ids(tr)
-                rep = replicas[balancer.choose(replicas, ids)]
-                sp = params.get(tr.output_len)
-                if sp is None:
-                    sp = params[tr.output_len] = _sampling_params(tr.output_len, oracle)
-                if not oracle and len(ids) + tr.output_len > self.max_model_len:
-                    sp = _sampling_params(max(1, self.max_model_len - len(ids)), False)
-                rep.pending.append(Request(tr.request_id, ids, sp,
-                                           eos_token_id=None if oracle else SIM_TOKEN,
-                                           priority=tr.priority if use_priority else 0,
-                                           arrival_time=tr.arrival_time, tenant=tr.tenant))
-                metrics.on_submit(tr.request_id, i, tr.arrival_time)
-                if rep.in_flight is None and not wake[rep.index]:
-                    wake[rep.index] = True
-                    heapq.heappush(heap, (tr.arrival_time, seq, rep.index))
-                    seq += 1
-                i += 1
-                continue
-            t, _, ri = heapq.heappop(heap)
-            rep = replicas[ri]
-            wake[ri] = False
-            if rep.in_flight is not None:
-                so, mro = rep.in_flight
-                rep.in_flight = None
-                outs = rep.scheduler.update_from_output(so, mro)
-                metrics.on_outputs(outs.outputs, t, ri)
-            if self._start_step(rep, t, metrics):
-                heapq.heappush(heap, (rep.clock.now, seq, ri))
-                seq += 1
-        if progress is not None:
-            progress(max((r.clock.now for r in replicas), default=0.0), n - metrics.num_unfinished)
-        return RunStats(cfg, self.device, self.model, self.num_blocks, self.num_cpu_blocks,
-                        self.max_model_len, trace, metrics, replicas,
-                        time.perf_counter() - t0, events)
-
-    @staticmethod
-    def _start_step(rep: Replica, t: float, metrics: MetricsCollector) -> bool:
-        """Take the replica's pending arrivals, schedule and execute one step; False when it
-        has nothing it can run (it then idles until its next arrival)."""
-        rep.clock.advance_to(t)
-        sched = rep.scheduler
-        if rep.pending:
-            for req in rep.pending:
-                try:
-                    sched.add_request(req)
-                except (AdmissionError, QueueFullError) as e:
-                    metrics.on_rejected(req.request_id, str(e))
-            rep.pending.clear()
-        if not sched.requests:
-            return False
-        so = sched.schedule()
-        usage = sched.kv.usage()
-        if usage > rep.peak_kv_usage:
-            rep.peak_kv_usage = usage
-        metrics.on_step(rep.index, t, len(sched.waiting), len(sched.running), len(sched.swapped),
-                        usage)
-        if so.total_num_scheduled_tokens == 0 and not so.blocks_to_swap_out:
-            rep.executor.forget(so.finished_req_ids)
-            return False
-        rep.in_flight = (so, rep.executor.execute_model(so))
-        return True
-
-
-# The token the simulated executor samples every time; the EOS of requests whose output
-# length is hidden (oracle_output_len=False), which may stop only after min_tokens.
-SIM_TOKEN = 1
-
-
-def _sampling_params(output_len: int, oracle: bool) -> SamplingParams:
-    if oracle:
-        return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    return SamplingParams(max_tokens=None, min_tokens=output_len, temperature=0.0)
+        shard = self._make_shard(list(range(cfg.num_replicas)))
+        replicas = list(shard.replicas.values())
+        for i, tr in enumerate(trace):
+            if progress is not None and i % PROGRESS_EVERY == 0 and i:
+                progress(tr.arrival_time, i - shard.metrics.num_unfinished)
+            shard.run_until(tr.arrival_time)  # steps that end before it see it arrive after
+            ids = prompts.token_ids(tr)
+            shard.add(tr, i, replicas[balancer.choose(replicas, ids)], ids)
+        shard.run_to_end()
+        return shard.metrics, shard.totals(), shard.num_events
 
 
 @contextmanager
-def _few_gc_passes():
+def few_gc_passes():
     """Collect garbage less often while a run lasts. A run allocates a few objects per request
     and step, nearly all freed by reference counting; with the default gen-0 threshold the
     cycle collector would also rescan the hundreds of thousands of long-lived KV blocks and

@@ -45,8 +45,18 @@ class FreeBlockQueue:
         # One byte per block id, 1 while the block is on the list: the operator tools find
         # free runs (fragmentation) with C-speed byte scans instead of walking the list.
         self.free_map = bytearray(len(blocks))
+        # Linked in one pass (what ``append`` does block by block): a pool holds up to
+        # hundreds of thousands of blocks, built once per engine and per simulated replica.
+        free_map = self.free_map
+        prev = self.head
         for b in blocks:
-            self.append(b)
+            b.prev_free = prev
+            prev.next_free = b
+            free_map[b.block_id] = 1
+            prev = b
+        prev.next_free = self.tail
+        self.tail.prev_free = prev
+        self.num_free = len(blocks)
 
     def _link_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
         nxt = prev.next_free

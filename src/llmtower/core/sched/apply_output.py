@@ -36,6 +36,7 @@ class ApplyOutputMixin(GrammarMixin):
         proposed = model_runner_output.spec_token_ids
         sched_reqs = scheduler_output.scheduled_requests
         append_tokens = self._append_tokens  # bound once: this loop runs per request per step
+        check_stop = self._check_stop
         for i, rid in enumerate(model_runner_output.req_ids):
             # The request object this step scheduled: an id it did not schedule is ignored,
             # and so is a request that finished or was aborted since (its id may already
@@ -54,7 +55,15 @@ class ApplyOutputMixin(GrammarMixin):
                 req.prompt_logprobs = (req.prompt_logprobs or []) + prompt_lps[rid]
             if not sampled:
                 continue  # a prefill chunk that has not reached the end of the prompt
-            new_tokens, status = append_tokens(req, sampled)
+            if len(sampled) == 1 and req.structured_output is None and not req.queue_entry:
+                # The common case, one token of a plain running request: _append_tokens'
+                # loop and bookkeeping reduce to this.
+                tok = sampled[0]
+                req.all_token_ids.append(tok)
+                new_tokens = [tok]
+                status = check_stop(req, tok)
+            else:
+                new_tokens, status = append_tokens(req, sampled)
             out = _new_output(req, new_tokens, logprobs[i] if logprobs is not None else None, now)
             if status is not None:
                 self._stop(req, status, out, running, stopped)
@@ -106,7 +115,7 @@ def _new_output(req: Request, new_tokens: list[int], logprobs: list[LogprobsEntr
     """The client's output for ``new_tokens``: logprobs, prompt logprobs, timings."""
     times = req.times
     out = EngineCoreOutput(req.request_id, new_tokens,
-                           num_cached_tokens=max(0, req.num_cached_tokens),
+                           num_cached_tokens=req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
                            num_preemptions=req.num_preemptions)
     if not times.first_token:
         times.first_token = now

@@ -87,24 +87,27 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
         charge = self.policy.charge  # per-tenant service accounting (None: not needed)
         if self.policy.may_displace and self.waiting and not self.swapped:
             step.reserve_for = self.waiting.peek()  # see _prefill_budget
+        running = self.running
         i = 0
-        while i < len(self.running) and step.budget > 0:
-            req = self.running[i]
+        while i < len(running) and step.budget > 0:
+            req = running[i]
             computed = req.num_computed_tokens
-            num_tokens = req.num_tokens_with_placeholders
-            if req.num_output_placeholders and self._at_length_cap(req, num_tokens):
+            placeholders = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids) + placeholders  # num_tokens_with_placeholders
+            if placeholders and self._at_length_cap(req, num_tokens):
                 i += 1  # --async-scheduling: the step in flight samples its last token
                 continue
             if (num_tokens - computed == 1 and num_tokens > req.num_prompt_tokens
-                    and computed < len(req_to_blocks[req.request_id]) * bs
                     and not req.spec_token_ids):
-                # The common case: a decode whose last block still has a free slot.
-                scheduled[req.request_id] = 1
-                step.budget -= 1
-                if charge is not None:
-                    charge(req, 1)
-                i += 1
-                continue
+                rid = req.request_id
+                if computed < len(req_to_blocks[rid]) * bs:
+                    # The common case: a decode whose last block still has a free slot.
+                    scheduled[rid] = 1
+                    step.budget -= 1
+                    if charge is not None:
+                        charge(req, 1)
+                    i += 1
+                    continue
             n = self._num_new_tokens(req, computed, step)
             if n == 0:
                 i += 1

@@ -57,22 +57,25 @@ class StepOutputMixin(SchedulerState):
         constrained: list[Request] = []
         reqs = self.requests
         sched_reqs: dict[str, Request] = {}
+        # Bound once: this loop runs per request per step.
+        executor_has, resumed, new_blocks = self._executor_has, step.resumed, step.new_blocks
+        forced = self._forced_token_ids
+        add_cached = cached_reqs.append
         for rid, n in step.scheduled.items():
             req = sched_reqs[rid] = reqs[rid]
-            if rid not in self._executor_has:
-                self._executor_has.add(rid)
+            if rid not in executor_has:
+                executor_has.add(rid)
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                self.kv.get_block_ids(rid), req.num_computed_tokens,
                                                req.eos_token_id, req.lora_request))
-            elif rid in step.resumed:
-                self._forced_token_ids.pop(rid, None)  # all outputs travel below
-                cached_reqs.append(CachedRequestData(rid, self.kv.get_block_ids(rid),
-                                                     req.num_computed_tokens, True,
-                                                     req.output_token_ids))
+            elif rid in resumed:
+                forced.pop(rid, None)  # all outputs travel below
+                add_cached(CachedRequestData(rid, self.kv.get_block_ids(rid),
+                                             req.num_computed_tokens, True, req.output_token_ids))
             else:
-                cached_reqs.append(CachedRequestData(rid, step.new_blocks.get(rid, _EMPTY),
-                                                     req.num_computed_tokens, False,
-                                                     self._forced_token_ids.pop(rid, _EMPTY)))
+                add_cached(CachedRequestData(rid, new_blocks.get(rid, _EMPTY),
+                                             req.num_computed_tokens, False,
+                                             forced.pop(rid, _EMPTY) if forced else _EMPTY))
             req.num_computed_tokens += n  # the one rule: catch up by what was scheduled
             if req.structured_output is not None and req.num_computed_tokens >= len(
                     req.all_token_ids):
