@@ -1,11 +1,14 @@
 """The model's GEMMs: weights packed once at load give exactly the plain weights' results."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import llmtower.models.llama as llama_module
 from llmtower.models import linear as L
+from llmtower.utils import cpu_info
 from tests.models.test_llama import IDS, our_logits
 
 needs_packing = pytest.mark.skipif(L.prepack is L._identity,
@@ -61,7 +64,22 @@ def test_model_logits_unchanged_by_packing(dtype, tiny_llama_dir, monkeypatch):
     packed = our_logits(tiny_llama_dir, IDS, dtype)
     monkeypatch.setattr(llama_module, "prepack", L._identity)
     plain = our_logits(tiny_llama_dir, IDS, dtype)
-    assert torch.equal(packed, plain)
+    if dtype == torch.bfloat16 and _onednn_uses_amx():
+        # On a CPU with AMX, oneDNN's packed bfloat16 GEMM runs on AMX tiles, which sum in
+        # another order than the plain path: measured on a Xeon with amx_bf16, 6 of 61,440
+        # logits one bfloat16 step apart, the same greedy tokens (and bit for bit equal with
+        # ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16). Elsewhere packing changes no bit.
+        assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+        torch.testing.assert_close(packed, plain, rtol=2 ** -7, atol=2 ** -9)
+        assert (packed != plain).float().mean() < 0.01
+    else:
+        assert torch.equal(packed, plain)
+
+
+def _onednn_uses_amx() -> bool:
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return "amx_bf16" in cpu_info().flags and (not capped or "AMX" in capped
+                                               or capped in ("ALL", "DEFAULT"))
 
 
 @pytest.mark.skipif(L.prepack is L._prepack_onednn, reason="the few-row kernel does not run here")
