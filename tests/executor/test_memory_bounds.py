@@ -65,8 +65,11 @@ def test_new_token_counts_do_not_grow_the_process_once_bounded():
     bounded = _growth(True)
     unbounded = _growth(False)
     # Unbounded, each new shape keeps ~0.5 MiB; bounded, the last 150 shapes cost nothing.
-    assert bounded < 10, (bounded, unbounded)
-    assert unbounded > bounded
+    # What the first shapes keep differs by CPU (oneDNN's AMX primitives on an Intel Xeon with
+    # amx_bf16: 11.8 MiB bounded against 114 unbounded; under 10 on AMD EPYC), so the bound is
+    # checked against the unbounded run too.
+    assert bounded < 16, (bounded, unbounded)
+    assert unbounded > 5 * bounded, (bounded, unbounded)
 
 
 def test_the_memory_plan_counts_a_full_steps_working_memory():
