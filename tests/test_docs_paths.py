@@ -29,8 +29,9 @@ FOLDERS = sorted(p.name for p in PACKAGE.iterdir()
 EXTENSIONS = r"(?:py|c|h|json)"
 # Not preceded by a path or word character: that excludes URLs and tests/engine/... paths.
 _BOUNDARY = r"(?<![\w./\-])"
-FILE_PATH = re.compile(_BOUNDARY + r"((?:src/)?(?:llmtower/)?(?:%s)/(?:[\w\-]+/)*[\w\-]+\.%s)"
-                       r"(?![\w/*])" % ("|".join(FOLDERS), EXTENSIONS))
+_FOLDERS = "|".join(FOLDERS)
+FILE_PATH = re.compile(_BOUNDARY + rf"((?:src/)?(?:llmtower/)?(?:{_FOLDERS})/(?:[\w\-]+/)*"
+                       rf"[\w\-]+\.{EXTENSIONS})(?![\w/*])")
 FOLDER = re.compile(_BOUNDARY + r"((?:src/)?llmtower/(?:[\w\-]+/)+)(?![\w*])")
 # Bare names of source files only: a bare `config.json` is a model's file, not the package's.
 BARE_FILE = re.compile(r"`([\w\-]+\.(?:py|c|h))`")
