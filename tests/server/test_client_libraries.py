@@ -149,10 +149,8 @@ def test_responses_parse_and_stream_with_a_pydantic_text_format(client):
 
 def test_responses_refuse_what_they_would_otherwise_ignore(client):
     for kwargs, words in [
-        (dict(reasoning={"effort": "low"}), "unknown field(s) 'reasoning'"),
         (dict(text={"format": {"type": "json_schema", "name": "w"}}), "needs its schema"),
         (dict(text={"format": {"type": "yaml"}}), "text.format.type"),
-        (dict(text={"verbosity": "low"}), "'verbosity'"),
         (dict(tools=[{"type": "web_search"}]), "tools of type 'web_search' are not supported"),
         (dict(tool_choice="required"), "needs tools"),
         (dict(include=["message.output_text.logprobs"]), "include=['message.output_text"),

@@ -257,7 +257,6 @@ def test_function_call_and_its_output_reach_the_prompt(client, tiny_server):
     (dict(tools=[{"type": "web_search"}, WEATHER, {"type": "file_search"}]),
      "tools of type 'web_search', 'file_search' are not supported"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "chat completions shape"),
-    (dict(tools=[{**WEATHER, "defer_loading": True}]), "unknown field(s) 'defer_loading'"),
     (dict(tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
     (dict(tools=[{"type": "function", "name": "f", "parameters": "x"}]),
      "tools[0].parameters must be a JSON schema object"),

@@ -229,6 +229,11 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    default=False,
                    help="every streamed completion and chat ends with its usage chunk, as if "
                    "it sent stream_options.include_usage=true (default: off)")
+    g.add_argument("--reject-unknown-fields", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="answer a request carrying fields this server does not know with "
+                   "HTTP 400 naming them; by default they are ignored with a warning in the "
+                   "log, as vLLM does (default: off)")
     g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="vLLM's switch for usage.prompt_tokens_details (cached_tokens), which "
@@ -270,6 +275,7 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions:
         allow_credentials=args.allow_credentials,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_force_include_usage=args.enable_force_include_usage,
+        reject_unknown_fields=args.reject_unknown_fields,
         root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

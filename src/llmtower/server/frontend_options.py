@@ -1,6 +1,6 @@
 """vLLM's frontend flags of ``vllm serve`` that shape the HTTP server rather than the engine:
 CORS (``--allowed-origins`` ...), ``--enable-request-id-headers``,
-``--enable-force-include-usage``, ``--root-path``, ``--disable-fastapi-docs`` and TLS
+``--enable-force-include-usage``, ``--reject-unknown-fields``, ``--root-path``, ``--disable-fastapi-docs`` and TLS
 (``--ssl-keyfile`` ...). ``api_server`` calls the hooks below; everything else about these
 flags lives here."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from llmtower.server.protocol import StreamOptions
+from llmtower.server.unknown_fields import RejectUnknownFieldsMiddleware
 
 
 @dataclass
@@ -32,6 +33,7 @@ class FrontendOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+    reject_unknown_fields: bool = False  # unknown request fields: 400 instead of a warning
 
     def __post_init__(self) -> None:
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
@@ -67,6 +69,8 @@ def fastapi_kwargs(options: FrontendOptions) -> dict[str, Any]:
 def install_frontend_middleware(app: FastAPI, options: FrontendOptions) -> None:
     """Call after every other middleware: CORS is then outermost, so a browser's preflight
     (OPTIONS, which carries no API key) is answered, and refusals carry CORS headers too."""
+    if options.reject_unknown_fields:
+        app.add_middleware(RejectUnknownFieldsMiddleware)
     if options.enable_request_id_headers:
         app.add_middleware(RequestIdForAllMiddleware)
     if options.allowed_origins:

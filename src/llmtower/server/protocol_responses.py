@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from llmtower.server.protocol import Count, Int64, MAX_MESSAGES, MAX_TOOLS, OpenAIModel
 from llmtower.server.protocol_chat import ChatCompletionRequest
-from llmtower.server.unknown_fields import reject_unknown_fields
+from llmtower.server.unknown_fields import ignore_or_refuse, reject_unknown_fields
 
 
 class InputContentPart(OpenAIModel):
@@ -112,9 +112,8 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         unknown = sorted(k for k, v in tool.items()
                          if k not in FUNCTION_TOOL_FIELDS and v is not None)
         if unknown:
-            raise ValueError(f"tools[{i}]: unknown field(s) {', '.join(map(repr, unknown))} "
-                             f"(a function tool has {', '.join(FUNCTION_TOOL_FIELDS)}); "
-                             "remove them")
+            ignore_or_refuse(unknown, f"tools[{i}]",
+                             f" (a function tool has {', '.join(FUNCTION_TOOL_FIELDS)})")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise ValueError(f"tools[{i}].name must be a non-empty string")
         if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
