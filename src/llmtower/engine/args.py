@@ -14,6 +14,7 @@ from llmtower.core.swap_layout import PLAIN, SwapLayout
 from llmtower.engine.vllm_compat import check_vllm_settings, log_ignored_vllm_settings
 from llmtower.lora.serving_args import check_lora_args
 from llmtower.spec_decode.config import SpeculativeConfig
+from llmtower.utils import auto_dtype
 
 if TYPE_CHECKING:
     from llmtower.distributed.dp_group import DPGroupConfig
@@ -140,8 +141,10 @@ class EngineArgs:
     served_model_name: str | list[str] | None = _f(
         None, "name(s) the API answers to; the first is the one reported (default: the model "
         "argument)", nargs="+")
-    dtype: str = _f("float32", "weight and activation dtype: float32 or bfloat16",
-                    choices=["float32", "bfloat16", "auto"])
+    dtype: str = _f("auto", "weight and activation dtype: 'auto' (bfloat16 where the CPU "
+                    "multiplies it natively: AVX512-BF16, AMX or Arm BF16; float32 elsewhere), "
+                    "'float32' (token-exact against transformers) or 'bfloat16'",
+                    choices=["auto", "float32", "bfloat16"])
     seed: int = _f(0, "global random seed")
     quantization: str = _f("none", "keep the linear layers' weights quantized: 'int8' (per "
                            "channel) or 'int4' (groups of 32) quantized on load, 'gguf' (a .gguf "
@@ -320,6 +323,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_vllm_settings(self)
+        if self.dtype == "auto":
+            auto_dtype()  # a bad $LLMTOWER_AUTO_DTYPE fails here, not in the engine process
         if self.kv_cache_memory_bytes is not None:  # vLLM's spelling wins, as in vLLM
             if isinstance(self.kv_cache_memory_bytes, str):  # LLM(kv_cache_memory_bytes="2G")
                 try:
@@ -462,6 +467,10 @@ class EngineArgs:
             tenant_weights=parse_tenant_weights(self.tenant_weights),
             max_model_len_reason=max_model_len_reason,
             max_loras=self.max_loras if self.enable_lora else 0)
+
+    def resolved_dtype(self) -> str:
+        """The model's dtype, float32 or bfloat16: 'auto' decided by this machine's CPU."""
+        return auto_dtype()[0] if self.dtype == "auto" else self.dtype
 
     def create_cache_config(self, num_blocks: int, num_cpu_blocks: int,
                             swap_layout: SwapLayout = PLAIN) -> CacheConfig:

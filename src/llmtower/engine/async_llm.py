@@ -35,7 +35,7 @@ from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.metrics.prometheus import RequestParams, ServingMetrics
 from llmtower.metrics.stats_logger import LoggingStatLogger
-from llmtower.utils import cpu_info
+from llmtower.utils import auto_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +143,10 @@ class AsyncLLM:
             "block_size": self.ready.block_size,
             "num_gpu_blocks": self.ready.num_gpu_blocks // args.data_parallel_size,
             "enable_prefix_caching": args.enable_prefix_caching,
-            "swap_space": args.swap_space, "cache_dtype": args.dtype})
+            "swap_space": args.swap_space, "cache_dtype": args.resolved_dtype()})
         logger.info("serving %s in %s: max_model_len=%d, %d KV blocks of %d tokens",
-                    self.model_name, args.dtype, self.max_model_len, self.ready.num_gpu_blocks,
-                    self.ready.block_size)
-        if args.dtype == "float32" and _cpu_has_native_bfloat16():
-            # vLLM serves a float32 model in bfloat16 on such a CPU by default; we keep the
-            # dtype that is token-exact against transformers and say what the other costs.
-            logger.info("float32 is token-exact against transformers; this CPU multiplies "
-                        "bfloat16 natively: --dtype bfloat16 (vLLM's CPU default) serves "
-                        "~1.6x the tokens at an infinite rate, with ~1.7% of greedy tokens "
-                        "different on SmolLM2 (docs/performance.md)")
+                    self.model_name, _dtype_and_why(args), self.max_model_len,
+                    self.ready.num_gpu_blocks, self.ready.block_size)
 
     async def _load_tokenizer(self, path: Any) -> Any:
         if self.tokenizer is not None:
@@ -478,7 +471,11 @@ class AsyncLLM:
         return list(snapshots)
 
 
-def _cpu_has_native_bfloat16() -> bool:
-    """Whether /proc/cpuinfo lists AVX512_BF16 or AMX_BF16 (False where it cannot be read)."""
-    flags = cpu_info().flags
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def _dtype_and_why(args: EngineArgs) -> str:
+    """The model's dtype for the start-up line, with why where --dtype auto chose it."""
+    if args.dtype != "auto":
+        return f"{args.dtype} (--dtype {args.dtype})"
+    dtype, why = auto_dtype()
+    exact = ("; --dtype float32 is token-exact against transformers" if dtype == "bfloat16"
+             else "")
+    return f"{dtype} (--dtype auto: {why}{exact})"

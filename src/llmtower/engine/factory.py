@@ -106,7 +106,7 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     torch.set_num_threads(args.threads)
     path: Path = resolve_model_path(args.model)
     config = load_model_config(path)
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.resolved_dtype())
     max_model_len = resolve_max_model_len(args.max_model_len, config)
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,
