@@ -723,6 +723,24 @@ def test_metrics_count_each_request_and_its_tokens(tiny_server, client):
     assert delta(after) == expected
 
 
+def test_a_finished_requests_engine_counters_are_in_metrics_when_it_returns(tiny_server,
+                                                                            client):
+    # The engine's counters (steps, prefix-cache queries, ...) travel with the step's
+    # outputs: read at once, without waiting for a periodic snapshot.
+    before = _quiet_metrics(tiny_server)
+    prompt, max_tokens = [41, 42, 43, 44, 45, 46, 47, 48, 49], 6
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                              extra_body=NO_EOS)
+    after = _metric_values(tiny_server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("vllm:request_success_total") == 1
+    assert delta("vllm:iteration_tokens_total_count") == max_tokens
+    assert delta("vllm:prefix_cache_queries_total") >= len(prompt)
+
+
 def test_requests_a_client_abandons_leave_no_running_request_or_kv(tiny_server):
     url = f"{tiny_server.base_url}/v1/completions"
     body = {"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 480, "ignore_eos": True,

@@ -179,7 +179,11 @@ class EngineCoreProc:
             outputs = engine_core.step()
             self._record_step(time.perf_counter() - t0)
             now = time.monotonic()
-            if now - self._last_stats_time >= self.stats_interval_s:
+            # The counters a finished request moved (prefix-cache hits, accepted draft tokens,
+            # ...) travel with its last output, so /metrics shows them as soon as the client
+            # has its answer; otherwise a snapshot per stats interval.
+            if now - self._last_stats_time >= self.stats_interval_s or any(
+                    o.finish_reason is not None for o in outputs.outputs):
                 outputs.scheduler_stats = self._take_stats(now)
             if outputs.outputs or outputs.scheduler_stats is not None or outputs.request_errors:
                 if not outputs.timestamp:
