@@ -225,3 +225,33 @@ def test_duplicate_request_id_is_rejected(tokenizer):
     add(proc, "y", tokenizer, FINAL_ONLY, n=2)
     with pytest.raises(ValueError, match="'y-1' is already in use"):
         add(proc, "y-1", tokenizer, FINAL_ONLY)
+
+
+def test_stream_interval_sends_the_first_token_then_every_n_and_the_end(tokenizer):
+    proc = OutputProcessor(tokenizer, stream_interval=3)
+    target = "one two three four five six seven eight nine ten eleven"
+    toks = tokenizer.encode(target)
+    assert len(toks) >= 8
+    add(proc, "r", tokenizer, DELTA)
+    add(proc, "s", tokenizer, DELTA, n=2)
+    outs, held, steps = [], [], 0
+    for i, tok in enumerate(toks):
+        last = i == len(toks) - 1
+        step = [EngineCoreOutput(rid, [tok], finish_reason="length" if last else None)
+                for rid in ("r", "s-0", "s-1")]
+        processed = proc.process_outputs(EngineCoreOutputs(outputs=step))
+        outs += [(ro.request_id, ro, k) for ro, k in zip(processed.request_outputs,
+                                                          processed.step_tokens)]
+        held += processed.held_tokens
+        steps += 1
+    r = [ro for rid, ro, _ in outs if rid == "r"]
+    # tokens 1, 4, 7, ... and the last: each delta carries what was held back
+    assert [len(ro.outputs[0].token_ids) for ro in r[:-1]] == [1] + [3] * (len(r) - 2)
+    assert r[-1].finished and "".join(ro.outputs[0].text for ro in r) == target
+    assert sum((ro.outputs[0].token_ids for ro in r), []) == toks
+    s = [ro for rid, ro, _ in outs if rid == "s"]
+    for index in (0, 1):
+        assert "".join(c.text for ro in s for c in ro.outputs if c.index == index) == target
+    # every token is reported in the step that made it, held or sent
+    assert sum(k for _, _, k in outs) + sum(held) == 3 * len(toks)
+    assert not proc.has_unfinished_requests()

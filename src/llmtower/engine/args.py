@@ -52,7 +52,7 @@ _MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "ma
             "long_prefill_token_threshold": 0, "max_num_queued_reqs": 0,
             "max_num_queued_tokens": 0, "max_bypass": 0, "data_parallel_size": 1,
             "max_block_moves_per_step": 1, "max_loras": 1, "max_lora_rank": 1,
-            "max_cpu_loras": 0}
+            "max_cpu_loras": 0, "stream_interval": 1}
 
 
 def _check_field_values(args: EngineArgs) -> None:
@@ -268,6 +268,10 @@ class EngineArgs:
         "on a worker thread (vLLM's async scheduling; the same tokens as without). Not with "
         "--speculative-config or structured outputs. On a CPU whose cores all run the forward "
         "pass it gains little: see docs/performance.md")
+    stream_interval: int = _f(1, "serve: streamed tokens per chunk (vLLM's --stream-interval): "
+                              "a stream's first token goes out at once, then every N tokens "
+                              "and at the end; N > 1 spends less of the API process per token "
+                              "(see docs/performance.md)")
     enable_lora: bool = _f(False, "serve LoRA adapters (PEFT folders) on the base model: "
                            "requests name one, steps mix them (see docs/lora.md)")
     max_loras: int = _f(1, "--enable-lora: most distinct adapters in one step (a request whose "

@@ -126,7 +126,7 @@ class AsyncLLM:
         finally:
             tokenizer = await tokenizer_task
         self.tokenizer = tokenizer
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, self.engine_args.stream_interval)
         defaults = load_generation_defaults(self.engine_args.generation_config,
                                             Path(self.ready.model_path),
                                             self.engine_args.generation_overrides())
@@ -364,19 +364,22 @@ class AsyncLLM:
         if processed.reqs_to_abort:  # stop strings: the engine must stop them now
             self.client.abort_requests_nowait(processed.reqs_to_abort)
         now = time.monotonic()
+        # Counters once per step (summed), histograms per request.
+        num_generated = sum(processed.step_tokens) + sum(processed.held_tokens)
+        num_prompt = 0
+        for tracked in processed.held_states:
+            # Held back by --stream-interval: the metrics still move with this step.
+            if tracked.last_output_time:
+                metrics.record_inter_token_latency(now - tracked.last_output_time, engine)
+            tracked.last_output_time = now
         for ro, tracked in zip(processed.request_outputs, processed.client_states):
-            num_new = sum(len(c.token_ids) for c in ro.outputs)
-            metrics.record_generation_tokens(num_new, engine)
             for c in ro.outputs:
                 tracked.sample_tokens[c.index] = tracked.sample_tokens.get(c.index, 0) + len(
                     c.token_ids)
-            num_prompt = 0
             if tracked.last_output_time:
                 metrics.record_inter_token_latency(now - tracked.last_output_time, engine)
             else:
-                num_prompt = tracked.num_prompt_tokens
-                metrics.record_prompt_tokens(num_prompt, engine)
-            self.stat_logger.record_tokens(num_prompt, num_new)
+                num_prompt += tracked.num_prompt_tokens
             tracked.last_output_time = now
             for c in ro.outputs:
                 if c.finish_reason is not None:
@@ -386,6 +389,11 @@ class AsyncLLM:
                                                                default=0)
                 metrics.record_request_timings(ro.metrics, engine, tracked.params)
             tracked.queue.put_nowait(ro)
+        if num_prompt:
+            metrics.record_prompt_tokens(num_prompt, engine)
+        if num_generated:
+            metrics.record_generation_tokens(num_generated, engine)
+        self.stat_logger.record_tokens(num_prompt, num_generated)
 
     def _on_request_error(self, err: RequestError) -> None:
         assert self.output_processor is not None

@@ -17,7 +17,7 @@ from typing import Any
 from llmtower.lora.request import LoRARequest
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
-from llmtower.engine.detokenizer import make_decode_fn
+from llmtower.engine.detokenizer import make_decode_fn, make_detokenizer_factory
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.engine.request_state import RequestState
 
@@ -32,6 +32,13 @@ class ProcessedOutputs:
     # The client_state of each output's request, in the same order (AsyncLLM's queue and
     # per-request metrics state; None offline).
     client_states: list[Any] = field(default_factory=list)
+    # Tokens each output's request generated in this step (its delta may hold more: those
+    # of the steps held back by the stream interval, already counted then).
+    step_tokens: list[int] = field(default_factory=list)
+    # Requests that generated tokens in this step but whose output waits for the stream
+    # interval: their client_state and their tokens of this step (for the metrics).
+    held_states: list[Any] = field(default_factory=list)
+    held_tokens: list[int] = field(default_factory=list)
 
 
 class ParentRequest:
@@ -49,6 +56,9 @@ class ParentRequest:
         self.children = children
         self.num_unfinished = len(children)
         self._prompt_logprobs_sent = False  # DELTA outputs carry them once
+        # --stream-interval: tokens generated since the last output, and whether one went out.
+        self.unsent_tokens = 0
+        self.sent_any = False
 
     @property
     def finished(self) -> bool:
@@ -78,9 +88,13 @@ class OutputProcessor:
     end's one registry of requests (as vLLM's): the offline LLM and AsyncLLM keep none of
     their own, AsyncLLM attaches its per-request state as ``client_state``."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        # DELTA outputs every N tokens (the first at once, the last always): vLLM's
+        # --stream-interval, fewer outputs (and SSE events) for the API process to make.
+        self.stream_interval = stream_interval
         self._decode = make_decode_fn(tokenizer)
+        self._make_detokenizer = make_detokenizer_factory(tokenizer, self._decode)
         self.parents: dict[str, ParentRequest] = {}  # client request id -> request
         self.request_states: dict[str, RequestState] = {}  # child (engine) id -> sequence
 
@@ -113,7 +127,7 @@ class OutputProcessor:
                 seed = None if params.seed is None else params.seed + i
                 params = dataclasses.replace(params, n=1, seed=seed)
             states.append(RequestState(cid, i, prompt_token_ids, params, self._decode,
-                                       output_kind, arrival))
+                                       output_kind, arrival, self._make_detokenizer))
             engine_requests.append(EngineCoreRequest(
                 cid, list(prompt_token_ids), params, eos_token_id=eos_token_id,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
@@ -156,26 +170,48 @@ class OutputProcessor:
         """Apply one engine step: detokenize, check stop strings, and build one
         ``RequestOutput`` per client request that has something to say."""
         result = ProcessedOutputs()
-        touched: dict[str, ParentRequest] = {}  # insertion-ordered: deterministic output order
+        # insertion-ordered: deterministic output order; the value: tokens of this step
+        touched: dict[str, tuple[ParentRequest, int]] = {}
         for out in engine_core_outputs.outputs:
             st = self.request_states.get(out.request_id)
             if st is None:
                 continue  # aborted here while the engine was still running it
+            num_before = len(st.token_ids)
             if st.update(out):
                 result.reqs_to_abort.append(st.request_id)
             parent = st.parent
             if st.finished:
                 del self.request_states[st.request_id]
                 parent.num_unfinished -= 1
-            touched[parent.request_id] = parent
-        for parent in touched.values():
+            seen = touched.get(parent.request_id)
+            touched[parent.request_id] = (parent, len(st.token_ids) - num_before
+                                          + (seen[1] if seen is not None else 0))
+        interval = self.stream_interval
+        for parent, num_new in touched.values():
+            if interval > 1 and self._hold(parent, num_new, interval):
+                result.held_states.append(parent.client_state)
+                result.held_tokens.append(num_new)
+                continue
             ro = parent.make_output()
             if ro is not None:
                 result.request_outputs.append(ro)
                 result.client_states.append(parent.client_state)
+                result.step_tokens.append(num_new)
             if parent.finished:
                 del self.parents[parent.request_id]
         return result
+
+    @staticmethod
+    def _hold(parent: ParentRequest, num_new: int, interval: int) -> bool:
+        """Whether a streamed request's output waits for more tokens (--stream-interval)."""
+        if parent.output_kind is not RequestOutputKind.DELTA or parent.finished:
+            return False
+        parent.unsent_tokens += num_new
+        if parent.sent_any and parent.unsent_tokens < interval:
+            return True
+        parent.sent_any = parent.sent_any or parent.unsent_tokens > 0
+        parent.unsent_tokens = 0
+        return False
 
 
 def merge_metrics(all_metrics: list[RequestMetrics | None]) -> RequestMetrics | None:

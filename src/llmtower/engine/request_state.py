@@ -10,7 +10,8 @@ import msgspec
 
 from llmtower.core.outputs import EngineCoreOutput, RequestMetrics
 from llmtower.core.sampling_params import SamplingParams
-from llmtower.engine.detokenizer import DecodeFn, IncrementalDetokenizer
+from llmtower.engine.detokenizer import (DecodeFn, Detokenizer, DetokenizerFactory,
+                                         IncrementalDetokenizer)
 from llmtower.engine.request_output import (CompletionOutput, Logprob, PromptLogprobs,
                                             RequestOutputKind, SampleLogprobs)
 from llmtower.engine.stop_checker import StopChecker
@@ -22,14 +23,17 @@ class RequestState:
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, decode: DecodeFn,
-                 output_kind: RequestOutputKind, arrival_time: float | None = None) -> None:
+                 output_kind: RequestOutputKind, arrival_time: float | None = None,
+                 make_detokenizer: DetokenizerFactory | None = None) -> None:
         self.request_id = request_id
         self.index = index
         self.parent: Any = None  # its client request (a ParentRequest), set by the OutputProcessor
         self.output_kind = output_kind
         self.min_tokens = sampling_params.min_tokens
-        self.detokenizer = IncrementalDetokenizer(decode, prompt_token_ids,
-                                                  sampling_params.skip_special_tokens)
+        skip = sampling_params.skip_special_tokens
+        self.detokenizer: Detokenizer = (
+            make_detokenizer(prompt_token_ids, skip) if make_detokenizer is not None
+            else IncrementalDetokenizer(decode, prompt_token_ids, skip))
         self.stop_checker = StopChecker(sampling_params.stop,
                                         sampling_params.include_stop_str_in_output)
         self._decode = decode

@@ -27,6 +27,7 @@ from llmtower.server.protocol_chat import (
     continue_final_kwargs,
 )
 from llmtower.server.reasoning import ReasoningParser
+from llmtower.server.stream_chunks import StreamChunkEncoder, chat_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, prompt_logprobs_json, sse,
                                           sse_error, token_text, until_disconnect)
@@ -205,7 +206,8 @@ class OpenAIServingChat(ServingBase):
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       n: int, top_k: int, first, stream,
                       plan: ToolPlan | None = None,
-                      reasoner: ReasoningParser | None = None) -> AsyncGenerator[str, None]:
+                      reasoner: ReasoningParser | None = None
+                      ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         model = self.response_model(req.model)
         num_prompt = len(prompt_ids)
@@ -236,10 +238,14 @@ class OpenAIServingChat(ServingBase):
         final: RequestOutput | None = None
         item = first
         streamers = [ToolCallStreamer(plan) for _ in range(n)] if plan is not None else None
+        # Chunks of plain content (most of a stream) skip pydantic: stream_chunks.py.
+        plain = (not req.return_token_ids and not req.continuous_usage and thinkers is None
+                 and streamers is None)
+        encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
         try:
             while item is not None:
                 _, ro = item
-                choices = []
+                choices: list[ChatStreamChoice | dict] = []
                 for c in ro.outputs:
                     num_tokens += len(c.token_ids)
                     choice_tokens[c.index] += len(c.token_ids)
@@ -260,6 +266,10 @@ class OpenAIServingChat(ServingBase):
                             and delta.reasoning_content is None and c.finish_reason is None
                             and not c.logprobs and not wants_ids):
                         continue
+                    if plain and not c.logprobs:  # the common chunk: no pydantic model
+                        choices.append(chat_choice(c.index, delta.content, finish_reason,
+                                                   c.stop_reason))
+                        continue
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=delta,
                         logprobs=(chat_logprobs(c.logprobs, top_k, req.return_tokens_as_token_ids)
@@ -269,9 +279,15 @@ class OpenAIServingChat(ServingBase):
                 if ro.finished:
                     final = ro
                 for k, choice in enumerate(choices):
+                    with_metrics = (ro.finished and k == len(choices) - 1
+                                    and req.include_metrics and not req.include_usage)
+                    if isinstance(choice, dict):
+                        if not with_metrics:
+                            yield encoder.event(choice)
+                            continue
+                        choice = ChatStreamChoice(**choice)
                     out = chunk([choice], ro.num_cached_tokens)
-                    if (ro.finished and k == len(choices) - 1 and req.include_metrics
-                            and not req.include_usage):
+                    if with_metrics:
                         out.metrics = metrics_info(ro.metrics)
                     yield sse(out.model_dump_json(exclude_none=True))
                 item = await anext(stream, None)

@@ -21,6 +21,7 @@ from llmtower.server.protocol_completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info,
                                           prompt_logprobs_json, sse, sse_error, token_text,
@@ -207,7 +208,7 @@ class OpenAIServingCompletion(ServingBase):
             metrics=metrics_info(_merged_metrics(finals)) if req.include_metrics else None)
 
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                      n: int, first, merged) -> AsyncGenerator[str, None]:
+                      n: int, first, merged) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         num_tokens = 0
         num_choices = len(prompts) * n
@@ -216,6 +217,10 @@ class OpenAIServingCompletion(ServingBase):
         ids_sent = [False] * num_choices  # return_token_ids: the prompt's ids went out
         finals: list[RequestOutput] = []
         item = first
+        # Chunks of plain text (most of a stream) skip pydantic: stream_chunks.py.
+        plain = not req.return_token_ids and not req.continuous_usage
+        encoder = StreamChunkEncoder("text_completion", request_id, created,
+                                     self.response_model(req.model))
 
         def chunk_of(choice: CompletionChoice, num_cached: int = 0) -> CompletionChunk:
             k = choice.index
@@ -238,7 +243,7 @@ class OpenAIServingCompletion(ServingBase):
                     ).model_dump_json(exclude_none=True))
             while item is not None:
                 i, ro = item
-                choices = []
+                choices: list[CompletionChoice | dict] = []
                 for c in ro.outputs:
                     k = i * n + c.index
                     if req.echo_only:  # the one token the engine made is not returned
@@ -256,6 +261,10 @@ class OpenAIServingCompletion(ServingBase):
                         lp = completion_logprobs(c.logprobs, offsets[k],
                                                  req.return_tokens_as_token_ids)
                         offsets[k] += sum(len(t) for t in lp.tokens)
+                    elif plain:  # the common chunk: no pydantic model
+                        choices.append(completion_choice(k, c.text, c.finish_reason,
+                                                         c.stop_reason))
+                        continue
                     choices.append(CompletionChoice(
                         index=k, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -263,9 +272,15 @@ class OpenAIServingCompletion(ServingBase):
                 if ro.finished:
                     finals.append(ro)
                 for j, choice in enumerate(choices):  # one choice per chunk, as OpenAI does
+                    with_metrics = (ro.finished and j == len(choices) - 1
+                                    and req.include_metrics and not req.include_usage)
+                    if isinstance(choice, dict):
+                        if not with_metrics:
+                            yield encoder.event(choice)
+                            continue
+                        choice = CompletionChoice(**choice)
                     chunk = chunk_of(choice, ro.num_cached_tokens)
-                    if (ro.finished and j == len(choices) - 1 and req.include_metrics
-                            and not req.include_usage):
+                    if with_metrics:
                         chunk.metrics = metrics_info(ro.metrics)
                     yield sse(chunk.model_dump_json(exclude_none=True))
                 item = await anext(merged, None)
