@@ -359,8 +359,8 @@ def model_profile_for(args, engine_args) -> ModelProfile:
             raise ValueError(f"cannot tell the shapes of model {engine_args.model!r}: pass "
                              "--model-profile NAME (e.g. smollm2-135m) or a model directory")
     prof = load_model(name)
-    if engine_args.dtype in ("float32", "bfloat16"):
-        prof = replace(prof, dtype=engine_args.dtype)
+    # The dtype the engine being calibrated runs in ('auto' resolved by this CPU).
+    prof = replace(prof, dtype=engine_args.resolved_dtype())
     return prof
 
 
