@@ -98,6 +98,9 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,
                                             swap_layout(args, config, dtype))
+    # Every layer windowed: a request keeps only its window's blocks (one global layer reads
+    # the whole context, so then every block stays).
+    cache_config.sliding_window = config.sliding_window if config.all_layers_windowed else None
     scheduler_config = args.create_scheduler_config(max_model_len)
     state_dict = load_model_weights(args.model, path, dtype, args.quantization)
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
