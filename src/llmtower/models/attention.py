@@ -300,13 +300,13 @@ class PagedAttention:
                 assert k is not None
                 window = opts.window_within(p.num_tokens)
                 # The C kernels: plain causal attention (a window of its own lengths is that).
-                c_ok = opts.plain and window is None
-                if c_ok and self.prefill_kernel:  # writes its rows of out in place
+                names = opts.names(window)
+                if self.prefill_kernel and ops.kernel_takes("prefill_bf16", names):  # writes its rows of out in place
                     prefill_attention(q[rows], k[rows], v[rows],
                                       out[rows].view(p.num_tokens, self.num_heads, d),
                                       opts.scale, torch.get_num_threads())
                     continue
-                if c_ok and self.prefill_f32:  # writes its rows of out in place
+                if self.prefill_f32 and ops.kernel_takes("prefill_f32", names):  # writes its rows of out in place
                     prefill_attention_f32(q[rows], k[rows], v[rows],
                                           out[rows].view(p.num_tokens, self.num_heads, d),
                                           opts.scale, torch.get_num_threads())
@@ -328,18 +328,21 @@ class PagedAttention:
             check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
             db.checked = True
         o = out[:m].view(m, self.num_heads, d)
-        if not opts.plain or opts.window_within(db.max_len()) is not None:
+        window = opts.window_within(db.max_len())
+        kernel = "paged_attention" if kv_cache.dtype == self.dtype else "paged_attention_int8"
+        if not ops.kernel_takes(kernel, opts.names(window)):
             self._decode_rows(q[:m], kv_cache, db, o, opts)
         elif kv_cache.dtype != self.dtype:  # --kv-cache-dtype int8 / bfloat16 under float32
             paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens, o, opts.scale,
                             query_start=db.query_start)
         elif db.query_start is None:
             paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
-                         o, opts.scale, torch.get_num_threads(), tables_checked=True)
+                         o, opts.scale, torch.get_num_threads(), tables_checked=True,
+                         window=window or 0)
         else:  # some requests verify drafts: several causal rows each
             paged_decode_mq(q[:m], kv_cache[0], kv_cache[1], db.block_tables,
                             db.context_lens, db.query_start, o, opts.scale,
-                            torch.get_num_threads(), checked=True)
+                            torch.get_num_threads(), checked=True, window=window or 0)
 
     # ------------------------------------------------------------------ the three kinds
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor
@@ -429,6 +432,12 @@ class _Options:
     def plain(self) -> bool:
         """No option SDPA (and the C kernels) lack, beyond a window."""
         return self.softcap is None and self.sinks is None
+
+    def names(self, window: int | None) -> frozenset[str]:
+        """The options a call asks for (``window``: the window where it matters)."""
+        return frozenset(name for name, on in (
+            ("sliding_window", window is not None), ("logit_softcap", self.softcap is not None),
+            ("sinks", self.sinks is not None)) if on)
 
     def window_within(self, length: int) -> int | None:
         """The window where it hides keys of a context of ``length`` tokens, else None."""
