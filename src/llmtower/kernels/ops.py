@@ -55,7 +55,7 @@ BY_DTYPE = {
 # takes; a call asking for one its kernel lacks runs on the torch path instead.
 ATTENTION_OPTIONS: dict[str, frozenset[str]] = {
     "paged_attention": frozenset({"sliding_window"}),  # float32 / bfloat16 caches
-    "paged_attention_int8": frozenset(),  # --kv-cache-dtype int8 / bfloat16 under float32
+    "paged_attention_int8": frozenset({"sliding_window"}),  # --kv-cache-dtype int8 / bfloat16
     "prefill_bf16": frozenset(),
     "prefill_f32": frozenset(),
 }

@@ -334,7 +334,7 @@ class PagedAttention:
             self._decode_rows(q[:m], kv_cache, db, o, opts)
         elif kv_cache.dtype != self.dtype:  # --kv-cache-dtype int8 / bfloat16 under float32
             paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens, o, opts.scale,
-                            query_start=db.query_start)
+                            query_start=db.query_start, window=window or 0)
         elif db.query_start is None:
             paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
                          o, opts.scale, torch.get_num_threads(), tables_checked=True,
