@@ -84,7 +84,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "phi3_fused_window40": dict(arch="phi3", sliding_window=40, hidden_size=96,
                                 intermediate_size=200, num_heads=3, num_kv_heads=1,
                                 vocab_size=600, random_norms=True),
-    # Within the window sliding-window attention is full attention: max_model_len is capped to it.
+    # A window shorter than the longest prompts' contexts (tests/models/test_sliding_window.py
+    # goes further past windows).
     "mistral_window48": dict(arch="mistral", sliding_window=48, hidden_size=128,
                              intermediate_size=200, num_heads=4, num_kv_heads=4),
     "llama3_rope_maxpos64": dict(arch="llama", rope_scaling=LLAMA3_SCALING,
@@ -102,7 +103,7 @@ class Variant:
     name: str
     path: Path
     max_model_len: int  # what the engines here run with
-    limit: int  # the model's own: max_position_embeddings, or a smaller sliding window
+    limit: int  # the model's own: max_position_embeddings
     _refs: dict[torch.dtype, list[list[int]]] = field(default_factory=dict)
 
     def reference(self, dtype: torch.dtype) -> list[list[int]]:
@@ -123,7 +124,7 @@ def variant(request, tmp_path_factory, tiny_tokenizer_dir) -> Variant:
     # bfloat16 rounding to break differently.
     path = make_tiny_model_dir(tmp_path_factory, tokenizer_dir=tiny_tokenizer_dir,
                                initializer_range=0.05, **kw)
-    limit = min(kw.get("sliding_window") or 10**9, kw["max_position_embeddings"])
+    limit = kw["max_position_embeddings"]
     return Variant(request.param, path, min(64, limit), limit)
 
 
@@ -164,7 +165,7 @@ def test_float32_greedy_is_token_exact(variant, threads):
 
 
 def test_generation_stops_at_the_models_last_position(variant):
-    """max_model_len is the model's own limit (max_position_embeddings, or the sliding window):
+    """max_model_len is the model's own limit (max_position_embeddings, whatever its window):
     a prompt 4 tokens short of it gets exactly 4 tokens, the last at the last rotary position,
     token-exact, and ends with "length"."""
     from llmtower.core.outputs import EngineCoreRequest

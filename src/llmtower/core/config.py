@@ -124,6 +124,9 @@ class CacheConfig:
     - ``swap_space_dtype``: ``auto`` (swapped blocks as in the cache; compressed to int8 only at
       degradation level 2) or ``int8`` (every swap-out compressed); ``swap_layout``: the swap
       slots a block takes either way (``num_cpu_blocks`` counts slots; ``swap_layout.py``).
+    - ``sliding_window``: the window (tokens) of a model whose every layer is windowed, else
+      None: blocks wholly before a request's window are then returned to the pool as it
+      proceeds (``KVCacheManager``; docs/sliding_window.md).
     """
 
     block_size: int = 16
@@ -137,6 +140,7 @@ class CacheConfig:
     cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's), bfloat16 or int8
     swap_space_dtype: str = "auto"  # --swap-space-dtype: auto or int8
     swap_layout: SwapLayout = PLAIN
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, "an integer >= 1")

@@ -32,29 +32,16 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 logger = logging.getLogger(__name__)
 
 
-def sliding_window_reason(config: ModelConfig, max_model_len: int) -> str:
-    """Why ``max_model_len`` is capped, when the model's sliding window capped it ('' if not)."""
-    window = config.sliding_window
-    if window and max_model_len >= window and window < config.max_position_embeddings:
-        return (f"the model's sliding window is {window} and sliding-window attention is not "
-                "implemented")
-    return ""
-
-
 def resolve_max_model_len(requested: int, config: ModelConfig) -> int:
-    """``requested`` (0: the model's own, capped at 8192), checked against the model."""
+    """``requested`` (0: the model's own, capped at 8192), checked against the model. A
+    sliding window does not limit it: windowed layers attend to their window at any length."""
     limit = config.max_position_embeddings
-    window = config.sliding_window
-    if window and window < limit:
-        # Sliding-window attention is not implemented; within the window it equals full attention.
-        limit = window
     if requested == 0:
         return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
     if requested > limit:
-        why = (f"its sliding window is {window} tokens (sliding-window attention is not supported)"
-               if limit == window else f"max_position_embeddings is {limit}")
-        raise ValueError(f"max_model_len={requested} is longer than the model allows ({why}): "
-                         f"use --max-model-len {limit} or less")
+        raise ValueError(f"max_model_len={requested} is longer than the model allows "
+                         f"(max_position_embeddings is {limit}): use --max-model-len {limit} "
+                         "or less")
     return requested
 
 
@@ -111,11 +98,10 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,
                                             swap_layout(args, config, dtype))
-    reason = sliding_window_reason(config, max_model_len)
-    if reason:
-        logger.warning("max_model_len is %d because %s: longer contexts are refused",
-                       max_model_len, reason)
-    scheduler_config = args.create_scheduler_config(max_model_len, reason)
+    # Every layer windowed: a request keeps only its window's blocks (one global layer reads
+    # the whole context, so then every block stays).
+    cache_config.sliding_window = config.sliding_window if config.all_layers_windowed else None
+    scheduler_config = args.create_scheduler_config(max_model_len)
     state_dict = load_model_weights(args.model, path, dtype, args.quantization)
     executor = CPUExecutor(config, state_dict, cache_config, dtype, max_model_len, seed=args.seed,
                            attention_backend=args.attention_backend,

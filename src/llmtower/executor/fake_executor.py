@@ -5,6 +5,9 @@ With ``verify_kv`` it keeps a fake KV cache, an array of token ids per block slo
 and read through each request's block table exactly as a real runner would, and the next
 token is computed from what it *reads back*: a wrong block table, a lost swap or a bad
 prefix-cache hit changes the output, so tests comparing with an unlimited-memory run catch it.
+With ``window`` (a model whose every layer has that sliding window) it reads back only the
+window's positions, the earlier ones coming from its own record: the scheduler may have given
+those blocks away.
 """
 from __future__ import annotations
 
@@ -46,8 +49,10 @@ class FakeExecutor:
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  vocab_size: int = 64, verify_kv: bool = True,
-                 token_fn: Callable[[str, list[int]], int] | None = None) -> None:
+                 token_fn: Callable[[str, list[int]], int] | None = None,
+                 window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.vocab_size = vocab_size
         self.verify_kv = verify_kv
         # token_fn(request_id, sequence) -> next token; default: the fake model above.
@@ -98,7 +103,9 @@ class FakeExecutor:
                 sampled.append([])  # a prefill chunk short of the prompt's end
                 continue
             if self.verify_kv:
-                seq = [int(self.kv[st.block_ids[p // bs], p % bs]) for p in range(end)]
+                first = 0 if self.window is None else max(0, end - self.window)
+                seq = st.token_ids[:first] + [int(self.kv[st.block_ids[p // bs], p % bs])
+                                              for p in range(first, end)]
             else:
                 seq = st.token_ids[-4:] + [end]
             tok = self.token_fn(rid, seq)

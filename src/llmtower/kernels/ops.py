@@ -51,6 +51,21 @@ BY_DTYPE = {
     "prefill": {torch.float32: "prefill_f32", torch.bfloat16: "prefill_bf16"},
 }
 
+# The per-call attention options (``PagedAttention.forward``'s keywords) each attention kernel
+# takes; a call asking for one its kernel lacks runs on the torch path instead.
+ATTENTION_OPTIONS: dict[str, frozenset[str]] = {
+    "paged_attention": frozenset({"sliding_window"}),  # float32 / bfloat16 caches
+    "paged_attention_int8": frozenset({"sliding_window"}),  # --kv-cache-dtype int8 / bfloat16
+    "prefill_bf16": frozenset(),
+    "prefill_f32": frozenset(),
+}
+
+
+def kernel_takes(kernel: str, options: frozenset[str]) -> bool:
+    """Whether attention kernel ``kernel`` computes a call with these options itself."""
+    return options <= ATTENTION_OPTIONS[kernel]
+
+
 _NO_BF16 = "this CPU (or compiler) has no AVX512_BF16"
 _NO_AVX512 = "this CPU (or compiler) has no AVX-512"
 _SDPA = "prefill keeps PyTorch's SDPA"

@@ -58,8 +58,9 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
     float *restrict q = acc + H * (D + 1); /* the query, widened to float32 once */
     for (int64_t i = 0; i < H * D; i++) q[i] = ld(j->q, r * j->q_stride + i, BF16) * j->scale;
 
-    /* scores[h][p] = scale * (q_h . k_p) */
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+    /* scores[h][p] = scale * (q_h . k_p), from the window's first block */
+    const int64_t lo = window_first(j, ctx - 1), b0 = lo / bs * bs;
+    for (int64_t p0 = b0; p0 < ctx; p0 += bs) {
         const int64_t kb = table[p0 / bs] * bs * row; /* element offset of the block */
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) {
@@ -75,13 +76,13 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
         }
     }
     /* softmax numerators in place; each head's sum divides its output at the end */
-    for (int64_t h = 0; h < H; h++) acc[H * D + h] = softmax_row(scores + h * ctx, ctx);
+    for (int64_t h = 0; h < H; h++) acc[H * D + h] = softmax_row(scores + h * ctx + lo, ctx - lo);
     /* acc[h] = sum_p exp_score[h][p] * v_p */
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+    for (int64_t p0 = b0; p0 < ctx; p0 += bs) {
         const int64_t vb = table[p0 / bs] * bs * row;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = lo > p0 ? lo - p0 : 0; t < n; t++) {
             prefetch_next_block(V, table, p0, t, ctx, bs, row, BF16);
             for (int64_t h = 0; h < H; h++) {
                 const int64_t vh = vb + t * row + (h / G) * D;
@@ -108,14 +109,16 @@ static void attend_one(const Job *j, int64_t r, float *scores, float *acc, int b
     }
 }
 
-/* dtype 0: float32, 1: bfloat16. Returns 0 on success, -1 when memory for the scores could not
- * be had, -2 on a context length below 1. */
-int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+/* dtype 0: float32, 1: bfloat16; window > 0: a query at position p sees keys > p - window.
+ * Returns 0 on success, -1 when memory for the scores could not be had, -2 on a context length
+ * below 1. */
+int paged_decode_window(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                  const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
                  void *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+                 int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads,
+                 int64_t window) {
     Job j = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride, bt_stride,
-             num_heads, num_kv_heads, head_dim, block_size, 1, scale, NULL};
+             num_heads, num_kv_heads, head_dim, block_size, 1, scale, NULL, window};
     for (int64_t r = 0; r < num_reqs; r++) {
         if (context_lens[r] < 1) return -2;
         if (context_lens[r] > j.max_context) j.max_context = context_lens[r];
@@ -140,4 +143,14 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const voi
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+/* paged_decode_window without a window (the signature decode_layer.c calls by address). */
+int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                 const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
+                 void *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+    return paged_decode_window(q, q_stride, k_cache, v_cache, block_tables, bt_stride,
+                               context_lens, out, num_reqs, num_heads, num_kv_heads, head_dim,
+                               block_size, scale, dtype, num_threads, 0);
 }

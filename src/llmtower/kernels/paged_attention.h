@@ -22,7 +22,15 @@ typedef struct {
     /* NULL: one query row per request; else request r owns the rows query_start[r] ..
      * query_start[r + 1] - 1 (paged_decode_mq, grouped path only) */
     const int64_t *query_start;
+    /* > 0: a sliding window, a query at position p sees keys > p - window; 0: none */
+    int64_t window;
 } Job;
+
+/* The first key a query at position pos sees (0 without a window). */
+static inline int64_t window_first(const Job *j, int64_t pos) {
+    const int64_t lo = j->window > 0 ? pos + 1 - j->window : 0;
+    return lo > 0 ? lo : 0;
+}
 
 /* The portable paths' softmax numerators, in place: s[p] = expf(s[p] - max) for p < len;
  * returns their sum (each output is divided by it at the end). */

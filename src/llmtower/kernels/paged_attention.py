@@ -28,11 +28,22 @@ def _fn() -> Callable[..., int]:
 
 
 @functools.cache
+def _fn_window() -> Callable[..., int]:
+    """paged_decode with a window (``_fn``'s signature plus it: decode_layer.c calls that one
+    by address)."""
+    f = kernel_library().paged_decode_window
+    f.restype = ctypes.c_int
+    f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]
+    return f
+
+
+@functools.cache
 def _fn_mq() -> Callable[..., int]:
-    f = kernel_library().paged_decode_mq
+    f = kernel_library().paged_decode_mq_window
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]
     return f
 
 
@@ -62,8 +73,10 @@ def _check_operands(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-                 scale: float, num_threads: int, tables_checked: bool = False) -> torch.Tensor:
-    """One query token per request against its paged context.
+                 scale: float, num_threads: int, tables_checked: bool = False,
+                 window: int = 0) -> torch.Tensor:
+    """One query token per request against its paged context (``window`` > 0: a query at
+    position p sees keys > p - window; blocks wholly before are not read).
 
     q [n, H, D] (rows may be strided, heads and dims contiguous); k_cache/v_cache
     [num_blocks, block_size, Hkv, D] contiguous; block_tables [n, >= max blocks] int64
@@ -79,9 +92,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     if not tables_checked:
         check_tables(block_tables, context_lens, nb, bs)
-    rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-               out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+            out.data_ptr(), n, h, hkv, d, bs, scale, DTYPES[q.dtype], num_threads)
+    rc = _fn_window()(*args, max(0, window)) if window > 0 else _fn()(*args)
     raise_for_code("paged_decode", rc, "its score buffer")
     return out
 
@@ -89,7 +103,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start: torch.Tensor, out: torch.Tensor, scale: float, num_threads: int,
-                    checked: bool = False) -> torch.Tensor:
+                    checked: bool = False, window: int = 0) -> torch.Tensor:
     """Several query rows per request against its paged context, causal among them.
 
     Request r owns the rows ``query_start[r]:query_start[r + 1]`` (at least one) of q [T, H, D]
@@ -97,7 +111,8 @@ def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     at position ``context_lens[r] - 1`` and row i sees the keys up to its own position. Layouts
     and dtypes as ``paged_decode``; query_start [n + 1] int64 contiguous from 0 to T.
     ``checked``: the caller already passed these tables, lengths and starts through
-    ``check_tables`` and ``check_query_start`` for a cache of this many blocks.
+    ``check_tables`` and ``check_query_start`` for a cache of this many blocks. ``window`` > 0:
+    a row at position p sees keys > p - window.
     """
     t, h, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -113,7 +128,7 @@ def paged_decode_mq(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = _fn_mq()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                   query_start.data_ptr(), out.data_ptr(), n, h, hkv, d, bs, scale,
-                  DTYPES[q.dtype], num_threads)
+                  DTYPES[q.dtype], num_threads, max(0, window))
     raise_for_code("paged_decode_mq", rc)
     return out
 

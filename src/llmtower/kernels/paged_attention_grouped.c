@@ -110,6 +110,8 @@ typedef struct {
     float *q, *part;  /* [G][D] widened scaled queries; [G][16][16] one tile's partials */
     float *sums;      /* [G] */
     int64_t stride;
+    int64_t lo, first; /* the unit's first key read (its first row's window start; 0: no
+                        * window) and the 16-key tile that holds it */
 } GroupScratch;
 
 /* the value pass for NH (1..4) heads g0.. of the group, CW * 16 dims at a time: NH * CW
@@ -126,7 +128,7 @@ static inline __attribute__((always_inline)) void weigh_values(
         __m512 a[4][4];
         for (int i = 0; i < NH; i++)
             for (int c = 0; c < CW; c++) a[i][c] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < ctx; p++) {
+        for (int64_t p = w->lo; p < ctx; p++) {
             ahead_step(ahead);
             __m512 v[4];
             for (int c = 0; c < CW; c++) v[c] = ld16(V, w->rows[p] + c0 + c * 16, BF16);
@@ -140,12 +142,19 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* rows[p]: the element offset of key p's row of KV head g of request r */
+/* The first key of request r's unit: its first row's window start. */
+static int64_t unit_first(const Job *j, int64_t r) {
+    const int64_t nq = j->query_start ? j->query_start[r + 1] - j->query_start[r] : 1;
+    return window_first(j, j->context_lens[r] - nq);
+}
+
+/* rows[p]: the element offset of key p's row of KV head g of request r (from unit_first's
+ * block on) */
 static void unit_rows(const Job *j, int64_t r, int64_t g, int64_t *rows) {
     const int64_t bs = j->block_size, ctx = j->context_lens[r];
     const int64_t row = j->num_kv_heads * j->head_dim;
     const int64_t *table = j->block_tables + r * j->bt_stride;
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
+    for (int64_t p0 = unit_first(j, r) / bs * bs; p0 < ctx; p0 += bs) { /* walk the block table once, no divisions */
         const int64_t base = table[p0 / bs] * bs * row + g * j->head_dim;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t t = 0; t < n; t++) rows[p0 + t] = base + t * row;
@@ -182,11 +191,11 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
 
     /* scores[x][p] = q_x . k_p, 16 keys per tile */
     __m512 *part = (__m512 *)w->part;
-    for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
+    for (int64_t p0 = w->first; p0 < ctx; p0 += 16) {
         const int64_t n = ctx - p0 < 16 ? ctx - p0 : 16;
         for (int t = 0; t < 16; t++) {
             const int slot = tile_slot(t);
-            if (t >= n) {
+            if (t >= n || p0 + t < w->lo) { /* past the end, or before the window */
                 for (int64_t x = 0; x < Q; x++) part[x * 16 + slot] = _mm512_setzero_ps();
                 continue;
             }
@@ -231,7 +240,10 @@ static inline __attribute__((always_inline)) void attend_group(const Job *j, int
     /* softmax numerators in place; each head's sum divides its output at the end. A row's
      * keys past its own position (later rows of its request) get weight 0. */
     for (int64_t x = 0; x < Q; x++) {
-        w->sums[x] = softmax_numerators(w->scores + x * st, ctx - nq + x / G + 1, ctx);
+        const int64_t len = ctx - nq + x / G + 1, lo = window_first(j, len - 1);
+        float *s = w->scores + x * st;
+        w->sums[x] = softmax_numerators(s + lo, len - lo, ctx - lo);
+        for (int64_t p = w->first; p < lo; p++) s[p] = 0.f; /* before the row's window */
     }
     /* acc[x] = sum_p exp_score[x][p] * v_p: each value row read once per four heads */
     for (int64_t g0 = 0; g0 < Q; g0 += 4) {
@@ -300,12 +312,14 @@ int paged_decode_grouped(const Job *j, int64_t max_rows, int dtype, int num_thre
             if (next < units) { /* its lines spread evenly over this unit's 2 * ctx steps */
                 const int64_t rn = next / hkv, steps = 2 * j->context_lens[r];
                 unit_rows(j, rn, next % hkv, w.next_rows);
-                ahead.rows = w.next_rows;
-                ahead.keys = j->context_lens[rn];
+                ahead.rows = w.next_rows + unit_first(j, rn);
+                ahead.keys = j->context_lens[rn] - unit_first(j, rn);
                 const int64_t lines = ahead.keys * ((ahead.row_bytes + 63) / 64);
                 ahead.per_step = (lines + steps - 1) / steps;
             }
             unit_rows(j, r, g, w.rows);
+            w.lo = unit_first(j, r);
+            w.first = w.lo / 16 * 16;
             attend_group_one(j, r, g, &w, acc, &ahead, dtype == 1);
             u = next;
         }

@@ -33,14 +33,19 @@ static inline float group_scale(const int8_t *row, int64_t head_dim, int64_t g) 
 
 /* One (request, KV head): its nq query rows x `group` query heads (query vector x = i * group
  * + jj: row i, head g * group + jj) against the request's context; row i sees the keys up to
- * position first + i (first = ctx - nq), so one row per request is the plain decode.
+ * position first + i (first = ctx - nq), so one row per request is the plain decode; with a
+ * window (> 0) only the keys after first + i - window.
  * qf [Q][D], acc [Q][D], scores [Q][ctx] with Q = nq * group: the calling thread's scratch. */
 static void attend(const void *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                    const int64_t *table, int64_t ctx, int64_t q0, int64_t nq, void *out,
                    int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t bs,
-                   int64_t gsize, float scale, int bf16, float *qf, float *acc, float *scores) {
+                   int64_t gsize, float scale, int bf16, float *qf, float *acc, float *scores,
+                   int64_t window) {
     const int64_t group = num_heads / num_kv_heads, ng = D / gsize, W = D + 4 * ng;
     const int64_t h0 = g * group, Q = nq * group, first = ctx - nq;
+    /* the first row's first key; key t is seen by the rows before (t - first + window) */
+    const int64_t lo = window > 0 && first + 1 > window ? first + 1 - window : 0;
+#define SEEN_BY(t) (window > 0 && ((t) - first + window) * group < Q ? ((t) - first + window) * group : Q)
     for (int64_t x = 0; x < Q; x++) {
         for (int64_t i = 0; i < D; i++) {
             int64_t e = (q0 + x / group) * q_stride + (h0 + x % group) * D + i;
@@ -48,9 +53,9 @@ static void attend(const void *q, int64_t q_stride, const int8_t *k_cache, const
             qf[x * D + i] = v * scale;
         }
     }
-    for (int64_t t = 0; t < ctx; t++) {
+    for (int64_t t = lo; t < ctx; t++) {
         const int8_t *row = k_cache + ((table[t / bs] * bs + t % bs) * num_kv_heads + g) * W;
-        for (int64_t x = (t > first ? t - first : 0) * group; x < Q; x++) {
+        for (int64_t x = (t > first ? t - first : 0) * group; x < SEEN_BY(t); x++) {
             const float *qj = qf + x * D;
             float total = 0.0f;
             for (int64_t c = 0; c < ng; c++) {
@@ -66,19 +71,20 @@ static void attend(const void *q, int64_t q_stride, const int8_t *k_cache, const
     }
     for (int64_t x = 0; x < Q; x++) {
         const int64_t len = first + x / group + 1;
+        const int64_t lx = window > 0 && len > window ? len - window : 0;
         float *sc = scores + x * ctx, m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = lx; t < len; t++) m = sc[t] > m ? sc[t] : m;
+        for (int64_t t = lx; t < len; t++) {
             sc[t] = expf(sc[t] - m);
             sum += sc[t];
         }
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) sc[t] *= inv;
+        for (int64_t t = lx; t < len; t++) sc[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * Q * D);
-    for (int64_t t = 0; t < ctx; t++) {
+    for (int64_t t = lo; t < ctx; t++) {
         const int8_t *row = v_cache + ((table[t / bs] * bs + t % bs) * num_kv_heads + g) * W;
-        for (int64_t x = (t > first ? t - first : 0) * group; x < Q; x++) {
+        for (int64_t x = (t > first ? t - first : 0) * group; x < SEEN_BY(t); x++) {
             const float p = scores[x * ctx + t];
             for (int64_t c = 0; c < ng; c++) {
                 const float w = p * group_scale(row, D, c);
@@ -96,17 +102,19 @@ static void attend(const void *q, int64_t q_stride, const int8_t *k_cache, const
             else ((float *)out)[e] = acc[x * D + i];
         }
     }
+#undef SEEN_BY
 }
 
 /* 0: done; -1: out of memory for the scratch buffers; -2: bad shapes. query_start: NULL for
  * one query row per request (row r), else [num_reqs + 1] offsets: request r owns the rows
- * query_start[r] .. query_start[r + 1] - 1, its newest tokens (paged_decode_mq's contract). */
+ * query_start[r] .. query_start[r + 1] - 1, its newest tokens (paged_decode_mq's contract).
+ * window > 0: a row at position p sees keys > p - window (0: none). */
 int paged_decode_int8(const void *q, int64_t q_stride, const int8_t *k_cache,
                       const int8_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                       const int64_t *context_lens, const int64_t *query_start, void *out,
                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t gsize, float scale, int bf16,
-                      int num_threads) {
+                      int num_threads, int64_t window) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1
         || gsize < 1 || head_dim % gsize)
         return -2;
@@ -136,7 +144,7 @@ int paged_decode_int8(const void *q, int64_t q_stride, const int8_t *k_cache,
             const int64_t nq = query_start ? query_start[r + 1] - q0 : 1;
             attend(q, q_stride, k_cache, v_cache, block_tables + r * bt_stride, context_lens[r],
                    q0, nq, out, g, num_heads, num_kv_heads, head_dim, block_size, gsize, scale,
-                   bf16, qf, acc, scores);
+                   bf16, qf, acc, scores, window);
         }
         free(qf);
         free(acc);

@@ -26,19 +26,19 @@ def _fn() -> Callable[..., int]:
     f = kernel_library().paged_decode_int8
     f.restype = ctypes.c_int
     f.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]
     return f
 
 
 def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                       scale: float, num_threads: int, tables_checked: bool = False,
-                      query_start: torch.Tensor | None = None) -> torch.Tensor:
+                      query_start: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """``paged_decode`` over int8 caches [num_blocks, block_size, Hkv, D + 4 * groups]
     (values, then each group's float32 scale; ``kernels/kv_quant.py``). q [T, H, D] and out
     [T, H, D] float32 or bfloat16 (one dtype). ``query_start`` None: one row per request;
-    else [n + 1] offsets of each request's rows (``paged_decode_mq``'s contract).
-    ``tables_checked``: tables, lengths and starts already checked for this cache."""
+    else [n + 1] offsets of each request's rows (``paged_decode_mq``'s contract). ``window``
+    > 0: a row at position p sees keys > p - window. ``tables_checked``: tables, lengths and starts already checked for this cache."""
     t, h, d = q.shape
     nb, bs, hkv, w = k_cache.shape
     if w != row_width(d, torch.int8) or h % hkv or v_cache.shape != k_cache.shape:
@@ -62,28 +62,30 @@ def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     rc = _fn()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                starts, out.data_ptr(), n, h, hkv, d, bs, group_size(d), scale,
-               DTYPES[q.dtype], num_threads)
+               DTYPES[q.dtype], num_threads, max(0, window))
     raise_for_code("paged_decode_int8", rc)
     return out
 
 
 def paged_decode_kv(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, out: torch.Tensor, scale: float,
-                    query_start: torch.Tensor | None = None) -> torch.Tensor:
+                    query_start: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Decode attention for one layer's cache [2, blocks, bs, Hkv, W] whose dtype differs from
     q's; tables (and ``query_start``, for several rows per request) already checked
-    (``PagedAttention.forward`` does once per step)."""
+    (``PagedAttention.forward`` does once per step). ``window`` > 0: a sliding window."""
     threads = torch.get_num_threads()
     if kv_cache.dtype == torch.int8:
         return paged_decode_int8(q, kv_cache[0], kv_cache[1], block_tables, context_lens, out,
-                                 scale, threads, tables_checked=True, query_start=query_start)
+                                 scale, threads, tables_checked=True, query_start=query_start,
+                                 window=window)
     # A narrower float cache (bfloat16 under a float32 model): q in the cache's dtype for the
     # float kernel; q and out are a few rows, the cache is read in place.
     o = torch.empty(out.shape, dtype=kv_cache.dtype)
     if query_start is None:
         paged_decode(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], block_tables, context_lens,
-                     o, scale, threads, tables_checked=True)
+                     o, scale, threads, tables_checked=True, window=window)
     else:
         paged_decode_mq(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], block_tables,
-                        context_lens, query_start, o, scale, threads, checked=True)
+                        context_lens, query_start, o, scale, threads, checked=True,
+                        window=window)
     return out.copy_(o)

@@ -42,7 +42,8 @@ static inline __attribute__((always_inline)) void attend_mq(const Job *j, int64_
     /* scores[x * ctx + p] = scale * (q_x . k_p) for the keys query x sees, one block at a
      * time (its keys for this head stay in L1 while every query reads them), four keys per
      * pass so that four sums are in flight */
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+    const int64_t b0 = window_first(j, first) / bs * bs; /* the first row's window's block */
+    for (int64_t p0 = b0; p0 < ctx; p0 += bs) {
         const int64_t kb = table[p0 / bs] * bs * row + g * D;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         if (p0 + bs < ctx) { /* the next block's keys of this head, while this one is used */
@@ -79,11 +80,14 @@ static inline __attribute__((always_inline)) void attend_mq(const Job *j, int64_
             }
         }
     }
-    for (int64_t x = 0; x < Q; x++) sums[x] = softmax_row(scores + x * ctx, first + x / G + 1);
+    for (int64_t x = 0; x < Q; x++) {
+        const int64_t lo = window_first(j, first + x / G);
+        sums[x] = softmax_row(scores + x * ctx + lo, first + x / G + 1 - lo);
+    }
     /* acc[x] = sum_p exp_score[x][p] * v_p, one block at a time: the block's values for this
      * head stay in L1 while every query adds its share into a register-held partial sum */
     for (int64_t i = 0; i < Q * D; i++) acc[i] = 0.f;
-    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+    for (int64_t p0 = b0; p0 < ctx; p0 += bs) {
         const int64_t vb = table[p0 / bs] * bs * row + g * D;
         const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t x = 0; x < Q; x++) {
@@ -93,7 +97,8 @@ static inline __attribute__((always_inline)) void attend_mq(const Job *j, int64_
             const float *sx = scores + x * ctx + p0;
             float part[D];
             for (int64_t d = 0; d < D; d++) part[d] = 0.f;
-            for (int64_t t = 0; t < m; t++) {
+            const int64_t lo = window_first(j, first + x / G);
+            for (int64_t t = lo > p0 ? lo - p0 : 0; t < m; t++) {
                 const float w = sx[t];
                 const int64_t vt = vb + t * row;
 #pragma omp simd
@@ -123,14 +128,16 @@ static void attend_mq_one(const Job *j, int64_t r, int64_t g, float *scores, flo
 
 /* q [query_start[num_reqs], H, D] rows q_stride apart; out [query_start[num_reqs], H, D]
  * contiguous; the rest as paged_decode. Returns 0, -1 (no memory for the scratch buffers) or
- * -2 (a request with q_len < 1 or a context shorter than its q_len). */
-int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+ * -2 (a request with q_len < 1 or a context shorter than its q_len). window > 0: row at
+ * position p sees keys > p - window (paged_decode_mq: none). */
+int paged_decode_mq_window(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
                     const int64_t *query_start, void *out, int64_t num_reqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                    int dtype, int num_threads) {
+                    int dtype, int num_threads, int64_t window) {
     Job j = {q, k_cache, v_cache, block_tables, context_lens, out, num_reqs, q_stride,
-             bt_stride, num_heads, num_kv_heads, head_dim, block_size, 1, scale, query_start};
+             bt_stride, num_heads, num_kv_heads, head_dim, block_size, 1, scale, query_start,
+             window};
     if (num_kv_heads < 1 || num_heads % num_kv_heads) return -2;
     int64_t max_scores = 1, max_q = 1;
     const int64_t G = num_heads / num_kv_heads;
@@ -167,4 +174,15 @@ int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const 
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+int paged_decode_mq(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    const int64_t *block_tables, int64_t bt_stride, const int64_t *context_lens,
+                    const int64_t *query_start, void *out, int64_t num_reqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                    int dtype, int num_threads) {
+    return paged_decode_mq_window(q, q_stride, k_cache, v_cache, block_tables, bt_stride,
+                                  context_lens, query_start, out, num_reqs, num_heads,
+                                  num_kv_heads, head_dim, block_size, scale, dtype, num_threads,
+                                  0);
 }

@@ -91,6 +91,7 @@ class LlamaForCausalLM:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
+        self.windows = config.layer_sliding_windows()  # per layer; None: global
         take = _Taker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(config.num_hidden_layers)]
@@ -296,7 +297,7 @@ class LlamaForCausalLM:
         # last layer run as below.
         whole = dl is not None and dl.attends and attn.backend == "c" and db is not None \
             and db.query_start is None and db.num_rows == t and not meta.prefills \
-            and not meta.decode_groups and last > 1
+            and not meta.decode_groups and last > 1 and not any(self.windows)
         if whole and dl is not None and dl.whole_steps and 0 < logits_indices.shape[0] <= t:
             assert db is not None
             # All of it in one C call, the output layer too where it has the decode kernel's
@@ -319,7 +320,8 @@ class LlamaForCausalLM:
                                         want_k)
                 v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads,
                                                              self.head_dim)
-            o = attn.forward(q, k, v, kv_caches[i], meta, kv_written=True)
+            o = attn.forward(q, k, v, kv_caches[i], meta, kv_written=True,
+                             sliding_window=self.windows[i])
             if dl is not None and i < last:
                 q, v = dl.layer(i, h, o, kv_caches[i + 1])
                 if whole and i == 0:
@@ -396,7 +398,7 @@ class LlamaForCausalLM:
         q = qk[:, :self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = attn.forward(q, k, v, kv_cache, meta)
+        o = attn.forward(q, k, v, kv_cache, meta, sliding_window=self.windows[i])
         out = apply_linear(o, layer.o_proj, layer.o_bias)
         return lora_layers.add_o(lora, i, o, out) if lora is not None else out
 

@@ -11,6 +11,14 @@
 Invariants: a request's list holds exactly ceil(tokens_allocated / block_size) blocks; the
 first ``num_cached_blocks[r]`` of them are registered in the prefix cache; an allocation
 either succeeds whole or changes nothing.
+
+Sliding windows (``CacheConfig.sliding_window``: every layer of the model windowed): a query
+at position p reads only keys > p - window, so once a request's next query is past a block's
+window the block is returned to the pool (a cached one keeps its hash there, for prefix hits,
+until evicted). Its place in the list is kept by ``null_block`` (the first
+``num_dead_blocks[r]`` entries), so that positions still index the list; the runner's table
+keeps the old id there, which attention never reads (models/attention.py). A request then
+holds about ceil(window / block_size) + 1 blocks, however long it runs.
 """
 from __future__ import annotations
 
@@ -32,6 +40,10 @@ class KVCacheManager:
         self.pool = BlockPool(cache_config.num_blocks, cache_config.enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.window = cache_config.sliding_window  # None: every block stays
+        # Stands in for a block returned because it left the window; never in the pool.
+        self.null_block = KVCacheBlock(0)
+        self.num_dead_blocks: dict[str, int] = {}  # leading null_block entries per request
         # CPU swap space: a stack of free swap slots (O(1) both ways). In the plain layout a
         # slot is a block; where swap-outs may be compressed, a block takes
         # swap_layout.slots_per_block slots, or slots_per_compressed_block as int8.
@@ -87,7 +99,7 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             num_full * self.block_size, block_extra_key(request))
         hashes = request.block_hashes
-        for i in range(start, num_full):
+        for i in range(max(start, self.num_dead_blocks.get(rid, 0)), num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
@@ -126,6 +138,8 @@ class KVCacheManager:
         rid = request.request_id
         req_blocks = self.req_to_blocks.get(rid)
         num_existing = len(req_blocks) if req_blocks is not None else 0
+        if self.window is not None and req_blocks is not None:
+            self._free_outside_window(rid, req_blocks, request.num_computed_tokens)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = cdiv(total, self.block_size)
         if not new_computed_blocks and req_blocks is not None and num_required <= num_existing:
@@ -149,13 +163,39 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         return new_blocks
 
+    def _free_outside_window(self, rid: str, blocks: list[KVCacheBlock], computed: int) -> None:
+        """Return the blocks wholly before the window of the request's last computed token
+        (position ``computed - 1`` sees keys >= computed - window: under --async-scheduling
+        it may be the query of the step in flight; later queries see less)."""
+        assert self.window is not None
+        upto = min(max(0, computed - self.window) // self.block_size, len(blocks))
+        dead = self.num_dead_blocks.get(rid, 0)
+        if upto <= dead:
+            return
+        gone = blocks[dead:upto]
+        blocks[dead:upto] = [self.null_block] * (upto - dead)
+        self.num_dead_blocks[rid] = upto
+        self.pool.free(reversed(gone))
+
+    def free_outside_window(self, request: Request) -> None:
+        """``_free_outside_window`` for a request scheduled without an allocation (a decode
+        whose last block has room)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.window is not None and blocks:
+            self._free_outside_window(request.request_id, blocks, request.num_computed_tokens)
+
+    def live_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks still held (past those its window left)."""
+        return self.req_to_blocks.get(request_id, [])[self.num_dead_blocks.get(request_id, 0):]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that its tail is evicted first."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        dead = self.num_dead_blocks.pop(rid, 0)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(blocks[dead:]))
         cpu = self.req_to_cpu_blocks.pop(rid, None)
         if cpu:
             self.free_cpu_blocks.extend(cpu)
@@ -163,7 +203,10 @@ class KVCacheManager:
 
     def block_tables(self) -> list[list[KVCacheBlock]]:
         """Every holder's device blocks (what the relocator packs)."""
-        tables = list(self.req_to_blocks.values())
+        if self.num_dead_blocks:
+            tables = [self.live_blocks(rid) for rid in self.req_to_blocks]
+        else:
+            tables = list(self.req_to_blocks.values())
         if self.pinned.blocks:
             tables.append(self.pinned.blocks)
         return tables
@@ -185,7 +228,8 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, ()))
+        """Blocks the request holds (those its window left not counted)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_dead_blocks.get(request_id, 0)
 
     # ------------------------------------------------------------------ swap
     def compress_swap(self, degradation_level: int) -> bool:
@@ -203,7 +247,8 @@ class KVCacheManager:
         each block's slots consecutive and in order. ``compressed``: stored as int8 (their
         device ids are appended to ``compressed_blocks``, for the executor)."""
         rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid)
+        # Blocks its window left stay gone (num_dead_blocks is kept for swap_in).
+        blocks = self.req_to_blocks.pop(rid)[self.num_dead_blocks.get(rid, 0):]
         self.num_cached_blocks.pop(rid, None)
         per = self.swap_layout.slots_for(compressed)
         free = self.free_cpu_blocks
@@ -225,8 +270,9 @@ class KVCacheManager:
         return len(cpu) // self.swap_layout.slots_for(request_id in self.swapped_compressed)
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        dead = self.num_dead_blocks.get(request.request_id, 0)
         need = max(self.num_swapped_blocks(request.request_id),
-                   cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+                   cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - dead)
         return need <= self.pool.num_free_blocks
 
     def swap_in(self, request: Request, compressed_blocks: list[int] | None = None
@@ -237,15 +283,16 @@ class KVCacheManager:
         rid = request.request_id
         per = self.swap_layout.slots_for(rid in self.swapped_compressed)
         cpu = self.req_to_cpu_blocks.pop(rid)
-        blocks = self.pool.allocate(len(cpu) // per)
-        self.req_to_blocks[rid] = blocks
+        dead = self.num_dead_blocks.get(rid, 0)
+        live = self.pool.allocate(len(cpu) // per)
+        self.req_to_blocks[rid] = [self.null_block] * dead + live
         self.num_cached_blocks[rid] = 0
         self.free_cpu_blocks.extend(cpu)
         if rid in self.swapped_compressed:
             self.swapped_compressed.discard(rid)
             if compressed_blocks is not None:
-                compressed_blocks.extend(b.block_id for b in blocks)
-        return [(c, blocks[i // per].block_id) for i, c in enumerate(cpu)]
+                compressed_blocks.extend(b.block_id for b in live)
+        return [(c, live[i // per].block_id) for i, c in enumerate(cpu)]
 
     # ------------------------------------------------------------------ statistics
     def usage(self) -> float:
@@ -256,7 +303,8 @@ class KVCacheManager:
         allocated = used = 0
         for r in requests:
             n = len(self.req_to_blocks.get(r.request_id, ()))
-            if n:
-                allocated += n * self.block_size
-                used += min(r.num_computed_tokens, n * self.block_size)
+            dead = self.num_dead_blocks.get(r.request_id, 0)
+            if n > dead:
+                allocated += (n - dead) * self.block_size
+                used += min(r.num_computed_tokens, n * self.block_size) - dead * self.block_size
         return (allocated - used) / allocated if allocated else 0.0

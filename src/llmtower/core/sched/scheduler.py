@@ -83,6 +83,7 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
         policy's victims are preempted until the request fits or is the victim itself."""
         req_to_blocks = self.kv.req_to_blocks
         bs = self.cache_config.block_size
+        window = self.kv.window
         scheduled = step.scheduled
         charge = self.policy.charge  # per-tenant service accounting (None: not needed)
         if self.policy.may_displace and self.waiting and not self.swapped:
@@ -102,6 +103,8 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
                 rid = req.request_id
                 if computed < len(req_to_blocks[rid]) * bs:
                     # The common case: a decode whose last block still has a free slot.
+                    if window:  # blocks the window left go back now (else at the next block)
+                        self.kv.free_outside_window(req)
                     scheduled[rid] = 1
                     step.budget -= 1
                     if charge is not None:

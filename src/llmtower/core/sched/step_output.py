@@ -48,7 +48,8 @@ class StepOutputMixin(SchedulerState):
         step.cached_from.setdefault(rid, start)
         kv.cache_blocks(req, end)
         blocks = kv.req_to_blocks[rid]
-        for b in blocks[start:kv.num_cached_blocks[rid]]:
+        # (not the blocks a sliding window already returned: kv.num_dead_blocks)
+        for b in blocks[max(start, kv.num_dead_blocks.get(rid, 0)):kv.num_cached_blocks[rid]]:
             step.provisional[b.block_id] = req
 
     def _build_output(self, step: Step) -> SchedulerOutput:
