@@ -80,15 +80,19 @@ def _served_per_engine(metrics: bytes) -> dict[str, float]:
     return served
 
 
-async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+async def _solo(tokenizer: Any) -> list[int]:
+    """The greedy output of one engine (the reference both Ray engines must give)."""
     one = AsyncLLM(EngineArgs(model="fake"), tokenizer=tokenizer,
                    engine_factory=make_slow_fake_engine, stats_interval_s=0.05)
     try:
         await one.start()
-        solo = await _tokens(one, "solo")
+        return await _tokens(one, "solo")
     finally:
         one.shutdown()
+
+
+async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
     port = free_port_range(8)
     args = EngineArgs(model="fake", data_parallel_size=2, data_parallel_backend="ray",
                       ray_placement="spread", data_parallel_address="127.0.0.1",
@@ -97,8 +101,8 @@ async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> d
                    stats_interval_s=0.05)
     try:
         t0 = time.monotonic()
-        _step("starting the engines on Ray")
-        await asyncio.wait_for(llm.start(), 120)
+        _step("starting the engines on Ray (and the one-engine reference meanwhile)")
+        solo, _ = await asyncio.gather(_solo(tokenizer), asyncio.wait_for(llm.start(), 120))
         _step("engines up")
         res["start_s"] = time.monotonic() - t0
         client = llm.client
@@ -130,12 +134,12 @@ async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> d
         res["disconnect_seen"] = client.clients[victim].disconnected or victim in client.lost
         new = asyncio.ensure_future(asyncio.wait_for(asyncio.gather(
             *(_outcome(llm, f"new{i}", 8) for i in range(6))), 30))
+        new.add_done_callback(lambda _: res.setdefault("new_done_s", time.monotonic() - t_kill))
         await wait_until(lambda: victim in client.lost, 30, "the lost rank reported")
         res["loss_seen_s"] = time.monotonic() - t_kill
         res["loss_reason"] = client.lost.get(victim, "")
         _step("loss seen")
         res["new_after_loss"] = await new
-        res["new_done_s"] = time.monotonic() - t_kill
         res["load"] = await asyncio.wait_for(asyncio.gather(*load), 60)
 
         _step("new requests done; waiting for the engine to come back")

@@ -37,19 +37,8 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: list[int], block_s
     """
     start = len(block_hashes)
     end = num_tokens // block_size
-    if end <= start:
-        return
-    parent = block_hashes[-1] if block_hashes else _ROOT
-    # The tokens of every new block turned into bytes at once and hashed from slices of one
-    # buffer: the same bytes hash_block feeds, without a conversion per block.
-    tokens = array("q", token_ids[start * block_size:end * block_size])
-    buf = memoryview(tokens.tobytes())
-    width = block_size * tokens.itemsize
-    append = block_hashes.append
+    parent = block_hashes[-1] if block_hashes else None
     for i in range(start, end):
-        h = blake2b(parent, digest_size=16)
-        h.update(buf[(i - start) * width:(i - start + 1) * width])
-        if i == 0 and cache_salt is not None:
-            h.update(b"\x00salt\x00" + cache_salt.encode())
-        parent = h.digest()
-        append(parent)
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            cache_salt if i == 0 else None)
+        block_hashes.append(parent)

@@ -97,7 +97,9 @@ class DecodeRunMixin(SchedulerState):
                 if k <= 0:
                     return 0
         free = self.kv.pool.num_free_blocks
-        if self._blocks_needed(k) > free:  # the largest run whose new blocks fit
+        # (At most one block per request every bs steps, plus one: counted only when tight.)
+        if n * (k // bs + 2) > free and self._blocks_needed(k) > free:
+            # The largest run whose new blocks fit.
             lo, hi = 0, k
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
@@ -182,11 +184,17 @@ class DecodeRunMixin(SchedulerState):
         # The last step's outputs, request by request as update_from_output applies them.
         stopped: list[Request] = []
         check_stop = self._check_stop
+        max_len = self.max_len
         for i, req in enumerate(running):
             end = req.num_computed_tokens = starts[i] + k
             if i in register_last:
                 kv.cache_blocks(req, end)
             req.times.last_token = now
+            # _check_stop only where it may say stop (a superset of its conditions).
+            num_tokens = end + 1
+            if not (num_tokens - req.num_prompt_tokens >= req.max_tokens or num_tokens >= max_len
+                    or req.eos_token_id == token_id or req.sampling_params.stop_token_ids):
+                continue
             status = check_stop(req, token_id)
             if status is not None:
                 out = _new_output(req, [token_id], None, now)
