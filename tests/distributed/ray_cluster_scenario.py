@@ -6,8 +6,8 @@ inside a network namespace with only ``lo`` up (Ray binds the host's address), i
 The cluster: a head node and two more, 1 CPU each; two engines spread over two of them. The
 run: greedy outputs against one engine, both engines busy and in the metrics, then a node that
 hosts an engine is removed under load (its streaming requests complete or fail with the
-retryable ``engine_lost``, new requests succeed on the survivor), and Ray restarts the engine
-on the node that is left, where it rejoins the group.
+retryable ``engine_lost``; new requests sent a second after it succeed on the survivor), and
+Ray restarts the engine on the node that is left, where it rejoins the group.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from tests.engine.fake_engine_factory import make_slow_fake_engine
 
 PROMPT = "Hello world"
 LOAD_TOKENS = 100  # long enough to be streaming when the node goes; within max_model_len 128
+NEW_AFTER_S = 1.0  # new requests this long after the node is removed all succeed
 T0 = time.monotonic()
 
 
@@ -79,15 +80,19 @@ def _served_per_engine(metrics: bytes) -> dict[str, float]:
     return served
 
 
-async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+async def _solo(tokenizer: Any) -> list[int]:
+    """The greedy output of one engine (the reference both Ray engines must give)."""
     one = AsyncLLM(EngineArgs(model="fake"), tokenizer=tokenizer,
                    engine_factory=make_slow_fake_engine, stats_interval_s=0.05)
     try:
         await one.start()
-        solo = await _tokens(one, "solo")
+        return await _tokens(one, "solo")
     finally:
         one.shutdown()
+
+
+async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
     port = free_port_range(8)
     args = EngineArgs(model="fake", data_parallel_size=2, data_parallel_backend="ray",
                       ray_placement="spread", data_parallel_address="127.0.0.1",
@@ -96,8 +101,8 @@ async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> d
                    stats_interval_s=0.05)
     try:
         t0 = time.monotonic()
-        _step("starting the engines on Ray")
-        await asyncio.wait_for(llm.start(), 120)
+        _step("starting the engines on Ray (and the one-engine reference meanwhile)")
+        solo, _ = await asyncio.gather(_solo(tokenizer), asyncio.wait_for(llm.start(), 120))
         _step("engines up")
         res["start_s"] = time.monotonic() - t0
         client = llm.client
@@ -122,15 +127,20 @@ async def scenario(cluster: Cluster, tokenizer: Any, nodes: dict[str, Any]) -> d
         t_kill = time.monotonic()
         _step(f"removing the node of rank {victim}")
         cluster.remove_node(nodes[res["nodes_of_ranks"][victim]], allow_graceful=False)
+        # New requests NEW_AFTER_S after the kill, before Ray has necessarily said anything:
+        # the closed connection keeps them off the lost engine (or moves them off it).
+        await asyncio.sleep(max(0.0, t_kill + NEW_AFTER_S - time.monotonic()))
+        res["new_sent_s"] = time.monotonic() - t_kill
+        res["disconnect_seen"] = client.clients[victim].disconnected or victim in client.lost
+        new = asyncio.ensure_future(asyncio.wait_for(asyncio.gather(
+            *(_outcome(llm, f"new{i}", 8) for i in range(6))), 30))
+        new.add_done_callback(lambda _: res.setdefault("new_done_s", time.monotonic() - t_kill))
         await wait_until(lambda: victim in client.lost, 30, "the lost rank reported")
         res["loss_seen_s"] = time.monotonic() - t_kill
         res["loss_reason"] = client.lost.get(victim, "")
         _step("loss seen")
+        res["new_after_loss"] = await new
         res["load"] = await asyncio.wait_for(asyncio.gather(*load), 60)
-        new = await asyncio.wait_for(asyncio.gather(*(_outcome(llm, f"new{i}", 8)
-                                                      for i in range(6))), 30)
-        res["new_after_loss"] = new
-        res["new_done_s"] = time.monotonic() - t_kill
 
         _step("new requests done; waiting for the engine to come back")
         await wait_until(lambda: not client.lost, 90, "the engine back")

@@ -110,6 +110,9 @@ def test_a_lost_node_fails_only_streaming_requests_and_new_ones_succeed(run):
     for r in run["load"]:  # all had streamed before the loss: done, or the retryable 503
         assert (r["ok"] and r["tokens"] == 100) or (r.get("lost") and r["streamed"]), r
     assert sum(not r["ok"] for r in run["load"]) > 0  # the lost engine had some of them
+    # Requests sent 1 s after the node went (within the 2 s the issue allows, before Ray
+    # need have said anything) all succeed: its closed connection took it out of routing.
+    assert run["new_sent_s"] <= 2.0
     assert all(r["ok"] and r["tokens"] == 8 for r in run["new_after_loss"]), run["new_after_loss"]
 
 

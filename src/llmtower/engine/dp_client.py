@@ -149,11 +149,16 @@ class DPEngineCoreClient:
 
     def _make_client(self, rank: int) -> EngineCoreClient:
         if rank not in self.topology.local_ranks:
-            return RemoteEngineClient(self.engine_args, self.topology, rank)
+            return self._remote_client(rank)
         args = dataclasses.replace(self.engine_args, data_parallel_rank=rank,
                                    num_threads=engine_threads(self.engine_args))
         return EngineCoreClient(args, self.engine_factory, self.stats_interval_s,
                                 self.sigterm_grace_s)
+
+    def _remote_client(self, rank: int) -> RemoteEngineClient:
+        client = RemoteEngineClient(self.engine_args, self.topology, rank)
+        client.on_disconnect = self._on_disconnect
+        return client
 
     # ------------------------------------------------------------------ state
     @property
@@ -250,10 +255,25 @@ class DPEngineCoreClient:
                     data_parallel_rpc_port=self._store.port)
 
     def _responsive(self, rank: int) -> bool:
-        """Heard from lately (engines send at least a heartbeat a second): a rank that went
-        quiet gets no new request and is left out of a new group rather than letting every
-        other rank wait for it."""
-        return time.monotonic() - self.clients[rank].last_heard < QUIET_AFTER_S
+        """Heard from lately (engines send at least a heartbeat a second) and, a remote rank,
+        still connected: a rank that went quiet or whose connection closed gets no new
+        request and is left out of a new group rather than letting every other rank wait for
+        it."""
+        client = self.clients[rank]
+        if isinstance(client, RemoteEngineClient) and client.disconnected:
+            return False
+        return time.monotonic() - client.last_heard < QUIET_AFTER_S
+
+    def _on_disconnect(self, rank: int) -> None:
+        """A remote rank's connection closed (its process or host died, most likely; Ray or
+        --dp-timeout will say): no new request goes to it from now, and its un-started
+        requests move to the others at once. If it reconnects it is routed to again."""
+        if self._closing or rank in self.lost or self.ready is None:
+            return
+        moved = self._move_unstarted(rank)
+        logger.warning("data-parallel rank %d: its connection closed; %d un-started request(s) "
+                       "moved to ranks %s; no new request goes to it unless it reconnects",
+                       rank, moved, [r for r in self.live_ranks if self._responsive(r)])
 
     async def _set_membership(self) -> None:
         """A new epoch: every live, responsive engine forms the process group of those
@@ -603,7 +623,7 @@ class DPEngineCoreClient:
     async def _rejoin(self, rank: int) -> None:
         """Wait (for ever) for a restarted remote rank, then take it in again."""
         self.clients[rank].shutdown(timeout_s=0)
-        client = RemoteEngineClient(self.engine_args, self.topology, rank)
+        client = self._remote_client(rank)
         self.clients[rank] = client
         try:
             await client.start(timeout_s=None)

@@ -5,15 +5,21 @@ It is an ``EngineCoreClient`` without a process: it binds the rank's two TCP soc
 sentinel to watch, liveness comes from the engine's messages: every engine sends at least a
 heartbeat a second, and one silent for ``dp_timeout`` seconds is dead for the head (its
 requests fail with a retriable 503; the data-parallel client routes around it and waits for
-the rank to come back).
+the rank to come back). Sooner than silence, the TCP connection itself tells: a socket monitor
+on the rank's output socket sees the engine's connection close (its process died, its host's
+kernel reset it) and reports it at once (``on_disconnect``), so that the data-parallel client
+stops routing to it and moves its un-started requests within milliseconds; a connection that
+comes back (the same engine reconnecting) makes it eligible again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from llmtower.distributed.topology import DPTopology
 from llmtower.engine.args import EngineArgs
@@ -37,6 +43,17 @@ class RemoteEngineClient(EngineCoreClient):
         self.rank = rank
         self.silence_limit_s = engine_args.dp_timeout
         self._watchdog: asyncio.Task | None = None
+        # The engine's TCP connections to the output socket (the monitor counts them), and
+        # whom to tell when the last one closes after the handshake.
+        self.num_connections = 0
+        self.on_disconnect: Callable[[int], None] | None = None
+        self._monitor: asyncio.Task | None = None
+        self._monitor_sock: zmq.asyncio.Socket | None = None
+
+    @property
+    def disconnected(self) -> bool:
+        """The engine had joined and its connection is gone (not back yet)."""
+        return self.ready is not None and self._monitor is not None and self.num_connections <= 0
 
     @property
     def pid(self) -> int | None:
@@ -56,6 +73,7 @@ class RemoteEngineClient(EngineCoreClient):
                 "--data-parallel-address (an address of this host) and --data-parallel-rpc-port"
             ) from None
         assert self._ready_future is not None
+        self._watch_connection()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._ready_future.done():
             left = HANDSHAKE_RETRY_S if deadline is None else min(
@@ -93,6 +111,30 @@ class RemoteEngineClient(EngineCoreClient):
         if self._ready_future is not None and not self._ready_future.done():
             self._ready_future.set_result(ready)
 
+    def _watch_connection(self) -> None:
+        """Count the engine's connections to the output socket from its monitor's events."""
+        assert self._out_sock is not None and self._loop is not None
+        try:
+            self._monitor_sock = self._out_sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError as e:  # heartbeats alone then
+            logger.warning("no connection monitor for data-parallel rank %d: %s", self.rank, e)
+            return
+        self._monitor = self._loop.create_task(self._connection_events(self._monitor_sock))
+
+    async def _connection_events(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while not self._closing:
+                event = parse_monitor_message(await sock.recv_multipart())["event"]
+                if event == zmq.EVENT_ACCEPTED:
+                    self.num_connections += 1
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self.num_connections -= 1
+                    if self.disconnected and not self._closing and self.on_disconnect:
+                        self.on_disconnect(self.rank)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
     async def _watch(self) -> None:
         while not self.is_dead and not self._closing:
             await asyncio.sleep(min(1.0, self.silence_limit_s / 4))
@@ -107,6 +149,7 @@ class RemoteEngineClient(EngineCoreClient):
         self._closing = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        self._stop_monitor()
         sock = self._in_sock
         if self.ready is not None and not self.is_dead and sock is not None and not sock.closed:
             try:  # the remote engine exits; its headless host exits when all of its do
@@ -114,6 +157,18 @@ class RemoteEngineClient(EngineCoreClient):
                                                                   flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        if self._monitor_sock is not None:
+            if self._out_sock is not None and not self._out_sock.closed:
+                try:
+                    self._out_sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._monitor_sock.close(linger=0)
+            self._monitor_sock = None
 
     def finish_shutdown(self, timeout_s: float = 5.0) -> None:
         if not self._closing:

@@ -121,6 +121,27 @@ class MetricsCollector:
             if o.finish_reason is not None:
                 self._finish(o, now, replica)
 
+    def on_decode_steps(self, request_ids: list[str], ends: list[float]) -> None:
+        """Record a run of plain decode steps (one token per request per step, step i ending
+        at ``ends[i]``): the gaps ``on_outputs`` would count step by step (the requests that
+        finish in the last step are then passed to ``on_finished``)."""
+        last = self._last_token
+        gaps = self.itl_counts
+        first = ends[0]
+        for prev, count in Counter(map(last.get, request_ids)).items():
+            if prev is not None:
+                g = first - prev
+                gaps[g] = gaps.get(g, 0) + count
+        n = len(request_ids)
+        for i in range(1, len(ends)):
+            g = ends[i] - ends[i - 1]
+            gaps[g] = gaps.get(g, 0) + n
+        last.update(zip(request_ids, repeat(ends[-1])))
+
+    def on_finished(self, o: EngineCoreOutput, now: float, replica: int) -> None:
+        """A request's last output (its gaps recorded already)."""
+        self._finish(o, now, replica)
+
     def _finish(self, o: EngineCoreOutput, now: float, replica: int) -> None:
         rid = o.request_id
         del self._last_token[rid]

@@ -9,10 +9,20 @@ heap over the whole cluster (``simulator.py``). ``sharded.py`` runs shards in wo
   submit(arrival at t):  steps ending before t ──▶ replica.pending (taken at its next step)
   run_until(t):          every step boundary before t
   run_to_end():          everything left
+
+Runs of plain decode steps (``decode_runs``): where the scheduler proves that its next k steps
+are plain decodes in which nobody stops before the last (``Scheduler.decode_steps_ahead``), the
+replica plans them at once: their times come from the cost model in one loop, and one heap
+entry stands for their end. Nothing is applied until the run ends or an arrival (or a state report) cuts it:
+then the steps that had started by that time are applied in one pass
+(``Scheduler.advance_decode_steps``) with their timeline rows and inter-token gaps, and the
+replica goes on with ordinary steps. A cut run and an uncut one apply the very steps that
+step-by-step simulation would, so the results are identical either way (tested).
 """
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from llmtower.core.errors import AdmissionError, QueueFullError
@@ -25,6 +35,19 @@ from llmtower.sim.workload import TraceRequest
 # The token the simulated executor samples every time; the EOS of requests whose output
 # length is hidden (oracle_output_len=False), which may stop only after min_tokens.
 SIM_TOKEN = 1
+# A run shorter than this is simulated step by step (planning one costs about a step).
+MIN_DECODE_RUN = 2
+
+
+@dataclass
+class DecodePlan:
+    """Owns a replica's planned run of plain decode steps: each step's start, duration and end
+    (virtual seconds), the batch size, and the heap entry that stands for the run's end."""
+
+    starts: list[float]
+    dts: list[float]
+    ends: list[float]
+    seq: int
 
 
 @dataclass
@@ -65,7 +88,7 @@ class ReplicaShard:
     boundaries and the metrics of the requests they serve."""
 
     def __init__(self, replicas: list[Replica], num_replicas: int, max_model_len: int,
-                 oracle_output_len: bool, use_priority: bool) -> None:
+                 oracle_output_len: bool, use_priority: bool, decode_runs: bool = True) -> None:
         self.replicas = {r.index: r for r in replicas}
         self.metrics = MetricsCollector(num_replicas)
         self.max_model_len = max_model_len
@@ -76,6 +99,11 @@ class ReplicaShard:
         self._wake = dict.fromkeys(self.replicas, False)  # a step-start event is in the heap
         self._seq = 0
         self.num_events = 0
+        # Runs of plain decode steps (module docstring): replica -> its planned run; the heap
+        # entries of runs cut short are skipped when they come up.
+        self.decode_runs = decode_runs
+        self._plans: dict[int, DecodePlan] = {}
+        self._stale: set[int] = set()
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else float("inf")
@@ -99,6 +127,8 @@ class ReplicaShard:
                                    priority=tr.priority if self.use_priority else 0,
                                    arrival_time=tr.arrival_time, tenant=tr.tenant))
         self.metrics.on_submit(tr.request_id, trace_index, tr.arrival_time)
+        if rep.index in self._plans:
+            self._cut(rep, tr.arrival_time)
         if rep.in_flight is None and not self._wake[rep.index]:
             self._wake[rep.index] = True
             heapq.heappush(self._heap, (tr.arrival_time, self._seq, rep.index))
@@ -116,18 +146,30 @@ class ReplicaShard:
 
     def step_next(self) -> None:
         """The earliest step boundary: finish the replica's step in flight, start its next."""
+        t, seq, ri = heapq.heappop(self._heap)
+        if self._stale and seq in self._stale:
+            self._stale.discard(seq)  # the end of a run that was cut short
+            return
         self.num_events += 1
-        t, _, ri = heapq.heappop(self._heap)
         rep = self.replicas[ri]
         self._wake[ri] = False
-        if rep.in_flight is not None:
+        plan = self._plans.get(ri)
+        if plan is not None:
+            self._apply_run(rep, len(plan.ends))
+        elif rep.in_flight is not None:
             so, mro = rep.in_flight
             rep.in_flight = None
             outs = rep.scheduler.update_from_output(so, mro)
             self.metrics.on_outputs(outs.outputs, t, ri)
         if self._start_step(rep, t):
-            heapq.heappush(self._heap, (rep.clock.now, self._seq, ri))
-            self._seq += 1
+            self._push(rep.clock.now, ri)
+
+    def _push(self, t: float, ri: int) -> int:
+        seq = self._seq
+        heapq.heappush(self._heap, (t, seq, ri))
+        self._seq += 1
+        self._wake[ri] = True
+        return seq
 
     def _start_step(self, rep: Replica, t: float) -> bool:
         """Take the replica's pending arrivals, schedule and execute one step; False when it
@@ -144,6 +186,11 @@ class ReplicaShard:
             rep.pending.clear()
         if not sched.requests:
             return False
+        if self.decode_runs:
+            k = sched.decode_steps_ahead(SIM_TOKEN)
+            if k >= MIN_DECODE_RUN:
+                self._plan(rep, k)
+                return False  # the run's end is in the heap
         so = sched.schedule()
         usage = sched.kv.usage()
         if usage > rep.peak_kv_usage:
@@ -156,7 +203,75 @@ class ReplicaShard:
         rep.in_flight = (so, rep.executor.execute_model(so))
         return True
 
-    def states(self) -> dict[int, ReplicaState]:
+    # ------------------------------------------------------------------ decode runs
+    def _plan(self, rep: Replica, k: int) -> None:
+        """Plan ``k`` plain decode steps from the replica's now: their times, step by step as the executor
+        would add them to its clock (the same shapes: n tokens, n sampled, a context that
+        grows by n a step)."""
+        running = rep.scheduler.running
+        n = len(running)
+        computed = sum(r.num_computed_tokens for r in running)
+        step_time = rep.executor.cost_model.step_time
+        starts, dts, ends = [], [], []
+        now = rep.clock.now
+        for _ in range(k):
+            ctx = computed + n
+            dt = step_time(n, n, ctx, ctx, n, 0)
+            starts.append(now)
+            dts.append(dt)
+            now += dt
+            ends.append(now)
+            computed += n
+        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1)
+        plan.seq = self._push(now, rep.index)
+
+    def _cut(self, rep: Replica, t: float) -> None:
+        """Something happens at ``t`` (an arrival, a state report): apply the planned steps
+        that had started before it (every boundary before ``t`` is processed by now); the
+        replica's next step starts at the end of the last of them."""
+        plan = self._plans[rep.index]
+        k = len(plan.ends)
+        j = 1 + bisect_left(plan.ends, t, 0, k - 1)
+        if j < k:
+            self._stale.add(plan.seq)
+            self._apply_run(rep, j)
+            self._push(plan.ends[j - 1], rep.index)
+        else:  # all of it: its heap entry becomes the boundary after its last step
+            self._apply_run(rep, k)
+
+    def _apply_run(self, rep: Replica, j: int) -> None:
+        """Apply the first ``j`` steps of the replica's planned run, with what each would have
+        recorded: the executor's counters and clock, the timeline rows, the gaps."""
+        ri = rep.index
+        plan = self._plans.pop(ri)
+        sched = rep.scheduler
+        ex = rep.executor
+        end = rep.clock.now = plan.ends[j - 1]
+        rids = [r.request_id for r in sched.running]
+        n = len(rids)
+        run = sched.advance_decode_steps(j, SIM_TOKEN)
+        if run.finished_req_ids:
+            ex.forget(run.finished_req_ids)
+        num_blocks = sched.kv.pool.num_blocks
+        metrics = self.metrics
+        for s in range(j):
+            ex.num_steps += 1
+            ex.busy_s += plan.dts[s]
+            usage = 1.0 - run.free_blocks[s] / num_blocks
+            if usage > rep.peak_kv_usage:
+                rep.peak_kv_usage = usage
+            metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
+        ex.last_step_s = plan.dts[j - 1]
+        metrics.on_decode_steps(rids, plan.ends[:j])
+        for out in run.stopped:
+            metrics.on_finished(out, end, ri)
+        self.num_events += j - 1  # the boundaries between its steps
+
+    def states(self, at: float | None = None) -> dict[int, ReplicaState]:
+        """Every replica's state at ``at`` (the steps before it processed already)."""
+        if at is not None:
+            for ri in list(self._plans):
+                self._cut(self.replicas[ri], at)
         return {i: ReplicaState(r.load, len(r.scheduler.waiting), len(r.scheduler.running),
                                 r.scheduler.kv.usage())
                 for i, r in self.replicas.items()}

@@ -59,7 +59,7 @@ class ShardRunner:
         if until is None:
             return None
         shard.run_until(until)
-        return shard.states()
+        return shard.states(until)
 
     def finish(self) -> tuple[MetricsCollector, list[ReplicaTotals], int]:
         self.shard.run_to_end()

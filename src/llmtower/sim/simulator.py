@@ -68,6 +68,9 @@ class SimConfig:
     # (the real head's stats snapshots; required by state-reading balancers when workers > 1).
     # 0: on their state at each arrival, in one process.
     routing_interval: float = 0.0
+    # Apply runs of plain decode steps in one pass (shard.py): the same results, several
+    # times faster. False simulates every step one by one (what the tests compare against).
+    decode_runs: bool = True
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -151,12 +154,13 @@ class Simulator:
     def _balancer(self):
         return make_load_balancer(self.config.load_balancer, self.cache_config.block_size)
 
-    def _make_shard(self, indices: list[int]) -> ReplicaShard:
+    def _make_shard(self, indices: list[int], decode_runs: bool = True) -> ReplicaShard:
         cfg = self.config
         replicas = [Replica(i, self.scheduler_config, self.cache_config, self.cost_model)
                     for i in indices]
         return ReplicaShard(replicas, cfg.num_replicas, self.max_model_len,
-                            cfg.oracle_output_len, self.scheduler_config.policy == "priority")
+                            cfg.oracle_output_len, self.scheduler_config.policy == "priority",
+                            cfg.decode_runs and decode_runs)
 
     def _run(self, trace: list[TraceRequest], progress: ProgressFn | None = None
              ) -> tuple[MetricsCollector, list[ReplicaTotals], int]:
@@ -164,7 +168,10 @@ class Simulator:
         cfg = self.config
         balancer = self._balancer()
         prompts = PromptFactory(cfg.engine.seed, cfg.prefix_len)
-        shard = self._make_shard(list(range(cfg.num_replicas)))
+        # A balancer that reads the replicas' state reads it at every arrival here: runs of
+        # decode steps would be cut at every one of them, so they are not planned at all.
+        shard = self._make_shard(list(range(cfg.num_replicas)),
+                                 decode_runs=not getattr(balancer, "uses_state", True))
         replicas = list(shard.replicas.values())
         for i, tr in enumerate(trace):
             if progress is not None and i % PROGRESS_EVERY == 0 and i:

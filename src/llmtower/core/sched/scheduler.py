@@ -25,8 +25,9 @@ request admitted later in the same step hits them.
 The rest of the scheduler's jobs live beside it, one file each, as mixins over the state in
 ``scheduler_state.py``: admission (``add_request``, aborts, priorities), grammar glue,
 preemption's mechanics (swap out or free), booking a step and building its
-``SchedulerOutput`` (``step_output.py``), applying a step's outputs (``update_from_output``)
-and the statistics. The step's scratch state is ``step.py``.
+``SchedulerOutput`` (``step_output.py``), applying a step's outputs (``update_from_output``),
+runs of plain decode steps applied in one pass (``decode_run.py``, for the simulator) and the
+statistics. The step's scratch state is ``step.py``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.admission import AdmissionMixin
 from llmtower.core.sched.lora_slots import lora_slots
 from llmtower.core.sched.apply_output import ApplyOutputMixin
+from llmtower.core.sched.decode_run import DecodeRunMixin
 from llmtower.core.sched.preemption import PreemptionMixin
 from llmtower.core.sched.stats import StatsMixin
 from llmtower.core.sched.step import Step
@@ -47,7 +49,8 @@ from llmtower.core.sched.step_output import StepOutputMixin
 MAX_SKIPS_PER_STEP = 64
 
 
-class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMixin, StatsMixin):
+class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMixin, StatsMixin,
+                DecodeRunMixin):
     """Owns the waiting / running / swapped queues, the KV cache manager and every request
     from admission to its end (state: ``SchedulerState``); decides each step."""
 
