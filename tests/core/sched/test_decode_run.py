@@ -109,3 +109,21 @@ def test_no_run_while_anything_but_decodes_is_due():
                                 eos_token_id=TOK))
     t.step()
     assert t.sched.decode_steps_ahead(TOK) == 1
+
+
+def test_no_run_under_a_sliding_window():
+    """A windowed model frees the blocks that leave the window as decode proceeds: a run that
+    skipped those steps would hold blocks a step-by-step run has returned, so none is planned
+    (the same request without a window gets one)."""
+    ahead = {}
+    for window in (None, 8):
+        now = [0.0]
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          CacheConfig(block_size=4, num_blocks=40, sliding_window=window),
+                          clock=lambda: now[0])
+        sched.add_request(Request("a", [3] * 6, SamplingParams(max_tokens=12, ignore_eos=True)))
+        so = sched.schedule()
+        now[0] += 1.0
+        sched.update_from_output(so, ModelRunnerOutput(list(so.num_scheduled_tokens), [[TOK]]))
+        ahead[window] = sched.decode_steps_ahead(TOK)
+    assert ahead == {None: 11, 8: 0}

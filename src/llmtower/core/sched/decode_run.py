@@ -11,7 +11,7 @@ decode-only batch repeats one decision: every running request gets one token. No
   - no request stops before the run's last step (its token, max_tokens, the length cap),
   - the free blocks cover every block the run's decodes cross into (so nobody is preempted);
   - and nothing else runs per step (no degradation controller, no tenant accounting, no
-    block relocator).
+    block relocator, no sliding window freeing the blocks that leave it).
 
 Within such a run a step's only state changes are: a new KV block where a decode crosses into
 one (schedule), a block registered in the prefix cache where a decode fills one (update), one
@@ -60,7 +60,8 @@ class DecodeRunMixin(SchedulerState):
         if (not running or self.waiting or self.swapped or self.waiting_for_grammar
                 or self._forced_token_ids or self._request_errors
                 or self.policy.charge is not None or self.degradation.config.enabled
-                or self.cache_config.kv_allocator == "relocator"):
+                or self.cache_config.kv_allocator == "relocator"
+                or self.cache_config.sliding_window is not None):
             return 0
         cfg = self.config
         deg = self.degradation
