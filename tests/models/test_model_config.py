@@ -97,7 +97,11 @@ def test_architecture_from_model_type(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention"]}, "layer_types has 1 entries"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention", "chunked_attention"]}, "'chunked_attention'"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": -4}, "sliding_window=-4"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"vocab_size": ...}, "lacks the required key 'vocab_size'"),
@@ -118,3 +122,53 @@ def test_to_hf_dict_round_trips(tmp_path):
                          tie_word_embeddings=True, attention_bias=True, bos_token_id=None)
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
     assert ModelConfig.from_hf_config(tmp_path) == config
+
+
+def _windows(tmp_path, **cfg) -> list[int | None]:
+    return ModelConfig.from_hf_config(write_config(tmp_path, **cfg)).layer_sliding_windows()
+
+
+def test_layer_sliding_windows_follow_transformers(tmp_path):
+    """Which layers are windowed, as each family's transformers config decides it."""
+    n = {"num_hidden_layers": 4}
+    assert _windows(tmp_path, architectures=["LlamaForCausalLM"], sliding_window=8,
+                    **n) == [None] * 4
+    assert _windows(tmp_path, architectures=["MistralForCausalLM"], sliding_window=16,
+                    **n) == [16] * 4
+    assert _windows(tmp_path, architectures=["MistralForCausalLM"], sliding_window=None,
+                    **n) == [None] * 4
+    assert _windows(tmp_path, architectures=["Phi3ForCausalLM"], sliding_window=8, **n) == [8] * 4
+    # Qwen2: a window only with use_sliding_window, and only from layer max_window_layers on.
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 8, **n}
+    assert _windows(tmp_path, **qwen) == [None] * 4
+    assert _windows(tmp_path, use_sliding_window=True, max_window_layers=1,
+                    **qwen) == [None, 8, 8, 8]
+    assert _windows(tmp_path, use_sliding_window=True, layer_types=[
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        **qwen) == [None, 8, None, 8]
+
+
+def test_alternating_window_patterns():
+    """Gemma 2 / gpt-oss: every other layer global; Gemma 3: every sixth (or
+    sliding_window_pattern); Qwen2-MoE: odd layers below max_window_layers."""
+    from llmtower.models.config import hf_sliding_windows
+
+    def types(cfg):
+        w, t = hf_sliding_windows({"num_hidden_layers": 6, "sliding_window": 4, **cfg}, "")
+        return "".join("S" if x == "sliding_attention" else "F" for x in t)
+
+    assert types({"model_type": "gemma2"}) == "SFSFSF"
+    assert types({"model_type": "gpt_oss"}) == "SFSFSF"
+    assert types({"model_type": "gemma3_text"}) == "SSSSSF"
+    assert types({"model_type": "gemma3_text", "sliding_window_pattern": 3}) == "SSFSSF"
+    assert types({"model_type": "qwen2_moe", "use_sliding_window": True,
+                  "max_window_layers": 4}) == "SFSFFF"
+
+
+def test_windowed_config_round_trips(tmp_path):
+    config = ModelConfig("Qwen2ForCausalLM", 100, 64, 128, 3, 4, 2, attention_bias=True,
+                         sliding_window=8, layer_types=["full_attention", "sliding_attention",
+                                                        "sliding_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    assert ModelConfig.from_hf_config(tmp_path) == config
+    assert config.layer_sliding_windows() == [None, 8, 8] and not config.all_layers_windowed

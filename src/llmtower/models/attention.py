@@ -30,6 +30,13 @@ request of the same step fills. Then three kinds of work, planned once per step 
   backend), else SDPA.
 - prefills with context (later chunks of a chunked prefill, prefix-cache hits, recompute): the
   request's blocks are gathered and SDPA runs with a causal mask offset by the context length.
+
+Per call, a layer may ask for more than plain causal attention (``forward``'s keywords):
+``sliding_window`` (a query at position p sees keys at positions > p - window, transformers'
+semantics; only the blocks from the window's first on are read), ``logit_softcap`` (Gemma 2's
+``cap * tanh(scores / cap)``), ``sinks`` (gpt-oss's per-head extra softmax column with no
+value) and ``scale``. A C kernel that cannot do what is asked is skipped for that call and the
+torch path (``attend``, an eager softmax where SDPA cannot express the option) serves it.
 """
 from __future__ import annotations
 
@@ -92,6 +99,22 @@ class DecodeGroup:
     num_blocks: int
     # [c, 1, 1, num_blocks * block_size], additive: 0 where the key exists, -inf past the end
     mask: torch.Tensor
+    ends: np.ndarray | None = None  # [c] context lengths (for window masks)
+    # window -> ``mask`` with the keys before each request's window -inf too; built by the
+    # first layer that asks, shared by the others
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The additive mask of a layer with this window (None: global)."""
+        if window is None or self.ends is None or int(self.ends.max()) <= window:
+            return self.mask
+        m = self.window_masks.get(window)
+        if m is None:
+            length = self.mask.shape[-1]
+            before = np.arange(length)[None, :] < (self.ends[:, None] - window)
+            m = self.mask.masked_fill(torch.from_numpy(before).view(self.mask.shape), -np.inf)
+            self.window_masks[window] = m
+        return m
 
 
 @dataclass
@@ -107,10 +130,17 @@ class DecodeBatch:
     # every request has one row (the one-query kernel)
     query_start: torch.Tensor | None = None
     num_rows: int = -1  # flat rows in all; -1: num_reqs
+    _max_len: int = -1
 
     def __post_init__(self) -> None:
         if self.num_rows < 0:
             self.num_rows = self.num_reqs
+
+    def max_len(self) -> int:
+        """The longest context (once per step: windowed layers ask whether it matters)."""
+        if self._max_len < 0:
+            self._max_len = int(self.context_lens.max()) if self.num_reqs else 0
+        return self._max_len
 
 
 @dataclass
@@ -122,6 +152,25 @@ class PrefillSeq:
     num_computed: int  # context already in cache before this chunk
     block_ids: torch.Tensor | None = None  # only when num_computed > 0
     mask: torch.Tensor | None = None  # [num_tokens, num_computed + num_tokens], when num_computed > 0
+    # window -> (first key read, the mask's columns from there with the keys before each
+    # query's window masked too); built by the first layer that asks
+    window_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def window_view(self, window: int | None, block_size: int) -> tuple[int, torch.Tensor]:
+        """(first key position to read, a whole block's start; the bool mask from there) for
+        a layer with this window (None: global)."""
+        assert self.mask is not None
+        if window is None or self.num_computed + self.num_tokens <= window:
+            return 0, self.mask
+        got = self.window_masks.get(window)
+        if got is None:
+            # The first query (position num_computed) sees keys > num_computed - window.
+            first = max(0, self.num_computed - window + 1) // block_size * block_size
+            pos = self.num_computed + np.arange(self.num_tokens)
+            keys = np.arange(first, self.mask.shape[1])
+            inside = torch.from_numpy(keys[None, :] > (pos[:, None] - window))
+            got = self.window_masks[window] = (first, self.mask[:, first:] & inside)
+        return got
 
 
 @dataclass
@@ -180,7 +229,8 @@ def decode_groups(tables: np.ndarray, end: np.ndarray, block_size: int, budget_t
         mask = np.where(np.arange(length)[None, :] < end[i:j, None], 0.0, -np.inf)
         groups.append(DecodeGroup(
             start=i, stop=j, block_ids=torch.from_numpy(tables[i:j, :nb].reshape(-1)),
-            num_blocks=nb, mask=torch.from_numpy(mask).to(dtype).view(j - i, 1, 1, length)))
+            num_blocks=nb, mask=torch.from_numpy(mask).to(dtype).view(j - i, 1, 1, length),
+            ends=end[i:j]))
         i = j
     return groups
 
@@ -217,11 +267,15 @@ class PagedAttention:
         self.v_buf = torch.zeros(shape, dtype=dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, kv_written: bool = False, *,
+                sliding_window: int | None = None, logit_softcap: float | None = None,
+                sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H * D].
         ``kv_written``: the caller already stored k and v in their slots (the fused RoPE
-        kernel does); k may then be None when no fresh prefill needs it."""
+        kernel does); k may then be None when no fresh prefill needs it. ``sliding_window``:
+        this layer's window (None: global); ``logit_softcap``: scores -> cap * tanh(scores /
+        cap); ``sinks`` [H]: per-head logits of an extra softmax column with no value;
+        ``scale``: instead of head_dim ** -0.5."""
         hkv, d = self.num_kv_heads, self.head_dim
         if not kv_written:
             assert k is not None
@@ -231,49 +285,61 @@ class PagedAttention:
             else:  # --kv-cache-dtype: quantized (int8) or a narrower float (kv_quant.py)
                 write_slots(kv_cache[0], meta.slot_mapping, k)
                 write_slots(kv_cache[1], meta.slot_mapping, v)
-
+        opts = _Options(self.scale if scale is None else scale, sliding_window, logit_softcap,
+                        sinks)
         out = q.new_empty(meta.num_tokens, self.num_heads * d)
         if meta.decodes is not None:
-            db, m = meta.decodes, meta.decodes.num_rows
-            if not db.checked:  # every layer's cache has the same blocks: once per step
-                if db.query_start is not None:
-                    check_query_start("paged attention", db.query_start, db.context_lens, m)
-                check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
-                db.checked = True
-            o = out[:m].view(m, self.num_heads, d)
-            if kv_cache.dtype != self.dtype:  # --kv-cache-dtype int8 / bfloat16 under float32
-                paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens, o, self.scale,
-                                query_start=db.query_start)
-            elif db.query_start is None:
-                paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
-                             o, self.scale, torch.get_num_threads(), tables_checked=True)
-            else:  # some requests verify drafts: several causal rows each
-                paged_decode_mq(q[:m], kv_cache[0], kv_cache[1], db.block_tables,
-                                db.context_lens, db.query_start, o, self.scale,
-                                torch.get_num_threads(), checked=True)
+            self._kernel_decodes(q, kv_cache, meta.decodes, out, opts)
         if meta.decode_groups:
             q = q.contiguous()  # SDPA is slower on the strided rows of the fused q/k output
         for g in meta.decode_groups:
-            out[g.start:g.stop] = self._decode(q[g.start:g.stop], kv_cache, g)
+            out[g.start:g.stop] = self._decode(q[g.start:g.stop], kv_cache, g, opts)
         for p in meta.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             if p.num_computed == 0:
                 assert k is not None
-                if self.prefill_kernel:  # writes its rows of out in place
+                window = opts.window_within(p.num_tokens)
+                # The C kernels: plain causal attention (a window of its own lengths is that).
+                c_ok = opts.plain and window is None
+                if c_ok and self.prefill_kernel:  # writes its rows of out in place
                     prefill_attention(q[rows], k[rows], v[rows],
                                       out[rows].view(p.num_tokens, self.num_heads, d),
-                                      self.scale, torch.get_num_threads())
+                                      opts.scale, torch.get_num_threads())
                     continue
-                if self.prefill_f32:  # writes its rows of out in place
+                if c_ok and self.prefill_f32:  # writes its rows of out in place
                     prefill_attention_f32(q[rows], k[rows], v[rows],
                                           out[rows].view(p.num_tokens, self.num_heads, d),
-                                          self.scale, torch.get_num_threads())
+                                          opts.scale, torch.get_num_threads())
                     continue
-                o = self._fresh_prefill(q[rows], k[rows], v[rows])
+                o = self._fresh_prefill(q[rows], k[rows], v[rows], opts)
             else:
-                o = self._prefill_with_context(q[rows], kv_cache, p)
+                o = self._prefill_with_context(q[rows], kv_cache, p, opts)
             out[rows] = o
         return out
+
+    def _kernel_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, db: DecodeBatch,
+                        out: torch.Tensor, opts: _Options) -> None:
+        """The C plan's decode rows: one kernel call, or (an option the kernels lack) the
+        torch path request by request."""
+        d, m = self.head_dim, db.num_rows
+        if not db.checked:  # every layer's cache has the same blocks: once per step
+            if db.query_start is not None:
+                check_query_start("paged attention", db.query_start, db.context_lens, m)
+            check_tables(db.block_tables, db.context_lens, kv_cache.shape[1], self.block_size)
+            db.checked = True
+        o = out[:m].view(m, self.num_heads, d)
+        if not opts.plain or opts.window_within(db.max_len()) is not None:
+            self._decode_rows(q[:m], kv_cache, db, o, opts)
+        elif kv_cache.dtype != self.dtype:  # --kv-cache-dtype int8 / bfloat16 under float32
+            paged_decode_kv(q[:m], kv_cache, db.block_tables, db.context_lens, o, opts.scale,
+                            query_start=db.query_start)
+        elif db.query_start is None:
+            paged_decode(q[:m], kv_cache[0], kv_cache[1], db.block_tables, db.context_lens,
+                         o, opts.scale, torch.get_num_threads(), tables_checked=True)
+        else:  # some requests verify drafts: several causal rows each
+            paged_decode_mq(q[:m], kv_cache[0], kv_cache[1], db.block_tables,
+                            db.context_lens, db.query_start, o, opts.scale,
+                            torch.get_num_threads(), checked=True)
 
     # ------------------------------------------------------------------ the three kinds
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor
@@ -291,7 +357,8 @@ class PagedAttention:
             vb = torch.index_select(kv_cache[1], 0, block_ids)
         return kb, vb
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup,
+                opts: _Options) -> torch.Tensor:
         c = g.stop - g.start
         hkv, d, length = self.num_kv_heads, self.head_dim, g.num_blocks * self.block_size
         kb, vb = self._gather(kv_cache, g.block_ids)
@@ -299,27 +366,113 @@ class PagedAttention:
         values = vb.view(c, length, hkv, d).transpose(1, 2)
         # The query heads of one KV head become that head's query rows: [c, Hkv, G, D].
         qg = q.view(c, hkv, self.group, d)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale)
+        sinks = None if opts.sinks is None else opts.sinks.view(1, hkv, self.group, 1)
+        o = attend(qg, keys, values, g.mask_for(opts.window), opts, sinks)
         return o.reshape(c, self.num_heads * d)
 
-    def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _decode_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, db: DecodeBatch,
+                     o: torch.Tensor, opts: _Options) -> None:
+        """The C plan's rows on the torch path, request by request (options the kernels do
+        not have): each request reads its blocks from its window's first on."""
+        hkv, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        lens = db.context_lens.tolist()
+        starts = db.query_start.tolist() if db.query_start is not None else None
+        sinks = None if opts.sinks is None else opts.sinks.view(1, self.num_heads, 1, 1)
+        for r, ctx in enumerate(lens):
+            a, b = (starts[r], starts[r + 1]) if starts is not None else (r, r + 1)
+            pos = np.arange(ctx - (b - a), ctx)
+            first = 0
+            if opts.window is not None:
+                first = max(0, int(pos[0]) - opts.window + 1) // bs * bs
+            kb, vb = self._gather(kv_cache, db.block_tables[r, first // bs:-(-ctx // bs)])
+            keys = kb.view(-1, hkv, d)[:ctx - first].transpose(0, 1).unsqueeze(0)
+            values = vb.view(-1, hkv, d)[:ctx - first].transpose(0, 1).unsqueeze(0)
+            mask = torch.from_numpy(_band(pos, first, ctx, opts.window))
+            qr = q[a:b].transpose(0, 1).unsqueeze(0)
+            o[a:b] = attend(qr, keys, values, mask, opts, sinks)[0].transpose(0, 1)
+
+    def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       opts: _Options) -> torch.Tensor:
         n = q.shape[0]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale,
-            enable_gqa=self.group > 1)
+        window = opts.window_within(n)
+        mask = None if window is None else torch.from_numpy(_band(np.arange(n), 0, n, window))
+        sinks = None if opts.sinks is None else opts.sinks.view(1, self.num_heads, 1, 1)
+        o = attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                   v.transpose(0, 1).unsqueeze(0), mask, opts, sinks, is_causal=mask is None)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
     def _prefill_with_context(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                              p: PrefillSeq) -> torch.Tensor:
+                              p: PrefillSeq, opts: _Options) -> torch.Tensor:
         assert p.block_ids is not None and p.mask is not None
         n = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
-        ctx = p.num_computed + p.num_tokens
-        kb, vb = self._gather(kv_cache, p.block_ids)
-        keys = kb.view(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-        values = vb.view(-1, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=p.mask, scale=self.scale,
-            enable_gqa=self.group > 1)
+        first, mask = p.window_view(opts.window, self.block_size)
+        keep = p.num_computed + p.num_tokens - first  # keys read, from ``first`` on
+        kb, vb = self._gather(kv_cache, p.block_ids[first // self.block_size:])
+        keys = kb.view(-1, hkv, d)[:keep].transpose(0, 1).unsqueeze(0)
+        values = vb.view(-1, hkv, d)[:keep].transpose(0, 1).unsqueeze(0)
+        sinks = None if opts.sinks is None else opts.sinks.view(1, self.num_heads, 1, 1)
+        o = attend(q.transpose(0, 1).unsqueeze(0), keys, values, mask, opts, sinks)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * d)
+
+
+@dataclass
+class _Options:
+    """One layer call's attention options (``PagedAttention.forward``'s keywords)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No option SDPA (and the C kernels) lack, beyond a window."""
+        return self.softcap is None and self.sinks is None
+
+    def window_within(self, length: int) -> int | None:
+        """The window where it hides keys of a context of ``length`` tokens, else None."""
+        return self.window if self.window is not None and self.window < length else None
+
+
+def _band(pos: np.ndarray, first: int, end: int, window: int | None) -> np.ndarray:
+    """bool [len(pos), end - first]: query at position pos[i] sees key first + j (causal,
+    and inside the window: key > pos - window)."""
+    keys = np.arange(first, end)[None, :]
+    seen = keys <= pos[:, None]
+    if window is not None:
+        seen &= keys > pos[:, None] - window
+    return seen
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor | None, opts: _Options, sinks: torch.Tensor | None = None,
+           is_causal: bool = False) -> torch.Tensor:
+    """q [B, Hq, R, D] against keys / values [B, Hk, L, D] (query head h reads key head
+    h // (Hq // Hk)); ``mask`` bool (True: seen) or additive, broadcast to [B, Hq, R, L];
+    ``sinks`` broadcast to [B, Hq, R, 1]. SDPA where it can express the options, else an
+    eager softmax (transformers' eager order: scale, soft-cap, mask, sinks, float32
+    softmax)."""
+    gqa = q.shape[1] != keys.shape[1]
+    if opts.softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              is_causal=is_causal, scale=opts.scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(rep, dim=1)
+        values = values.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * opts.scale
+    if opts.softcap is not None:
+        s = torch.tanh(s / opts.softcap) * opts.softcap
+    if is_causal:
+        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril(
+            s.shape[-1] - s.shape[-2])
+    if mask is not None:
+        s = s.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else s + mask
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(s.float(), dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

@@ -38,8 +38,10 @@ class ModelConfig:
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2). Whether o_proj has
     one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
     follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.
-    ``sliding_window`` is Mistral's (and Phi-3's) attention window, as written in its config.json
-    (None: none). Phi-3 is Llama with q/k/v and gate/up stored fused (``loader`` splits them).
+    ``sliding_window`` is the attention window of the windowed layers, as written in config.json
+    (None: none); ``layer_types`` says which layers are windowed ("sliding_attention") and which
+    global ("full_attention"); None: every layer windowed when there is a window
+    (``layer_sliding_windows`` gives the per-layer answer). Phi-3 is Llama with q/k/v and gate/up stored fused (``loader`` splits them).
     ``qk_norm`` (Qwen3) means each head's query and key are RMS-normalized, with weights of
     ``head_dim`` per layer, before the rotary embedding.
     """
@@ -62,6 +64,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
     qk_norm: bool = False
     # The whole config.json: the family-specific settings each family reads itself
     # (``get``), so that adding a family does not touch this class.
@@ -89,6 +92,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: the MLPs use "
                              f"{' or '.join(SUPPORTED_ACTIVATIONS)}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        _check_window(self.sliding_window, self.layer_types, self.num_hidden_layers)
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -99,6 +103,23 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (a query at position p sees the keys at positions
+        > p - window, as transformers masks them), or None for a global layer."""
+        n = self.num_hidden_layers
+        if not self.sliding_window:
+            return [None] * n
+        if self.layer_types is None:
+            return [self.sliding_window] * n
+        return [self.sliding_window if t == "sliding_attention" else None
+                for t in self.layer_types]
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer attends only to its window: a request's blocks before the window can be
+        freed (core/kv_cache/sliding_window.py)."""
+        return all(w is not None for w in self.layer_sliding_windows())
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelConfig:
@@ -124,19 +145,13 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError(f"{file}: mlp_bias=true is not supported (Llama-family MLPs have no bias)")
         rope_theta, rope_scaling = _rope(cfg)
-        sliding_window = None
-        if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                        "Qwen3MoeForCausalLM") or cfg.get("use_sliding_window"):
-            sliding_window = cfg.get("sliding_window") or None
+        sliding_window, layer_types = hf_sliding_windows(cfg, arch)
         if arch == "Phi3ForCausalLM":
             partial = (cfg.get("rope_parameters") or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
             if partial != 1.0:
                 raise ValueError(f"{file}: partial_rotary_factor={partial} (rotary embeddings on "
                                  "part of each head, as in Phi-4-mini) is not supported")
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                      "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
-            raise ValueError(f"{file}: use_sliding_window=true is not supported; set it to false")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -158,6 +173,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, file.parent / "generation_config.json"),
             sliding_window=sliding_window,
+            layer_types=layer_types,
             qk_norm=arch == "Qwen3ForCausalLM",
             raw=dict(cfg),
         )
@@ -175,9 +191,67 @@ class ModelConfig:
         out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
         out["mlp_bias"] = False
         out["torch_dtype"] = "float32"
+        if out["layer_types"] is None:
+            del out["layer_types"]
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            out["use_sliding_window"] = False
+            out["use_sliding_window"] = self.sliding_window is not None
+            if self.sliding_window is not None and self.layer_types is None:
+                out["max_window_layers"] = 0  # every layer windowed
         return out
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# Families whose windowed layers alternate with global ones when config.json has no
+# layer_types: model_type -> (the default period, the config key that overrides it). Layer i is
+# global when (i + 1) % period == 0, as transformers builds their layer_types.
+_ALTERNATING = {"gemma2": (2, ""), "gemma3_text": (6, "sliding_window_pattern"),
+                "gemma3": (6, "sliding_window_pattern"), "gpt_oss": (2, "")}
+
+
+def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int | None, list[str] | None]:
+    """(window, layer_types) of a config.json, as transformers reads them: Mistral, Phi-3 and
+    Mixtral window every layer; Qwen2 / Qwen3 (and their MoE) only with use_sliding_window,
+    from layer max_window_layers on; Gemma 2 / gpt-oss every other layer, Gemma 3 five in six
+    (sliding_window_pattern); an explicit layer_types wins (except for Mistral, whose
+    transformers class ignores it)."""
+    window = cfg.get("sliding_window") or None
+    model_type = cfg.get("model_type") or (FAMILIES[arch].model_type if arch in FAMILIES else "")
+    n = int(cfg.get("num_hidden_layers") or 0)
+    if model_type == "llama" or (model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+                                 and not cfg.get("use_sliding_window")):
+        return None, None  # transformers' Llama has no window
+    if window is None or model_type in ("mistral", "mixtral", "phi3"):
+        return window, None
+    if cfg.get("layer_types") is not None:
+        return window, [str(t) for t in cfg["layer_types"]]
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(cfg.get("max_window_layers", n))
+        return window, [LAYER_TYPES[0] if i >= first else LAYER_TYPES[1] for i in range(n)]
+    if model_type == "qwen2_moe":
+        last = int(cfg.get("max_window_layers", n))
+        return window, [LAYER_TYPES[0] if (i + 1) % 2 and i < last else LAYER_TYPES[1]
+                        for i in range(n)]
+    if model_type in _ALTERNATING:
+        period, key = _ALTERNATING[model_type]
+        period = int(cfg.get(key, period)) if key else period
+        return window, [LAYER_TYPES[0] if (i + 1) % period else LAYER_TYPES[1]
+                        for i in range(n)]
+    return window, None
+
+
+def _check_window(window: int | None, layer_types: list[str] | None, num_layers: int) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window={window!r} is invalid: a positive number of tokens "
+                         "(or null for none)")
+    if layer_types is None:
+        return
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries but the model has "
+                         f"{num_layers} layers: one per layer")
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(f"layer_types {', '.join(map(repr, bad))} not supported: each layer is "
+                         f"one of {', '.join(LAYER_TYPES)}")
 
 
 def _architecture(cfg: dict[str, Any], file: Path) -> str:
