@@ -112,3 +112,53 @@ def test_unsupported_architectures_are_refused_by_name(arch, why):
     with pytest.raises(ValueError, match=f"unsupported architecture '{arch}'.*{why}.*"
                                          "Gemma2ForCausalLM.*OlmoeForCausalLM"):
         check_architecture(arch)
+
+
+IDS = random_prompts(1, 100, 100, seed=24)[0]  # longer than the windows (64)
+
+
+def _our_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one prompt, prefilled in one step (no engine: no
+    max_model_len cap, so the prompt may pass the sliding windows)."""
+    from llmtower.executor.kv_cache import KVCache
+    from llmtower.models.attention import AttentionMetadata, PagedAttention, PrefillSeq
+    from llmtower.models.loader import load_model_config, load_state_dict
+
+    cfg = load_model_config(path)
+    model = model_class(cfg.architecture)(cfg, load_state_dict(path), torch.float32, 128)
+    n = len(ids)
+    kv = KVCache(cfg, num_blocks=64, num_cpu_blocks=0, block_size=4, dtype=torch.float32)
+    attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 4,
+                          torch.float32, gather_buffer_blocks=64)
+    meta = AttentionMetadata(n, torch.arange(n), prefills=[PrefillSeq(0, n, 0)])
+    return model(torch.tensor(ids), torch.arange(n), kv.kv_caches, attn, meta, torch.arange(n))
+
+
+def _hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_past_the_window_equal_transformers(family, tmp_path, tiny_tokenizer_dir):
+    path = _build(tmp_path / family, tiny_tokenizer_dir, family)
+    torch.testing.assert_close(_our_logits(path, IDS), _hf_logits(path, IDS),
+                               atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+], ids=["linear", "yarn"])
+def test_scaled_rope_equals_transformers(rope, tmp_path_factory, tiny_tokenizer_dir):
+    """Llama with linear / YaRN RoPE scaling (YaRN also scales cos and sin), on the fused
+    Llama path."""
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path_factory, "llama", rope_scaling=rope,
+                               tokenizer_dir=tiny_tokenizer_dir)
+    torch.testing.assert_close(_our_logits(path, IDS), _hf_logits(path, IDS),
+                               atol=2e-4, rtol=1e-4)
