@@ -55,6 +55,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, **MOE)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, clip_qkv=0.3, **MOE)),
+    # Sinks, biases everywhere, YaRN, a clamp limit the activations reach.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=4, sliding_window=64, swiglu_limit=0.5, **MOE,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 32,
+                         "rope_theta": 150000.0})),
 }
 
 

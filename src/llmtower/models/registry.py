@@ -39,6 +39,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": Family(_M + "moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     "Qwen3MoeForCausalLM": Family(_M + "moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     "OlmoeForCausalLM": Family(_M + "moe", "OlmoeForCausalLM", "olmoe"),
+    "GptOssForCausalLM": Family(_M + "gpt_oss", "GptOssForCausalLM", "gpt_oss"),
 }
 
 # Kinds of model that stay unsupported, recognized by a part of the architecture's name, so

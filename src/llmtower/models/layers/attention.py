@@ -20,7 +20,8 @@ class AttentionOptions:
     """What differs between families' attention layers. ``qk_norm``: "" none, "head" each
     head's query and key normalized (Qwen3, Gemma 3), "full" the whole q and k projections
     (OLMo 2, OLMoE); ``rope`` None: no rotary embedding on this layer (SmolLM3's NoPE layers);
-    ``clip_qkv``: OLMoE's clamp of the projections."""
+    ``clip_qkv``: OLMoE's clamp of the projections; ``sinks``: the layer has gpt-oss's
+    per-head attention sink logits (``self_attn.sinks``)."""
 
     window: int | None = None
     softcap: float | None = None
@@ -28,6 +29,7 @@ class AttentionOptions:
     qk_norm: str = ""
     rope: RotaryEmbedding | None = None
     clip_qkv: float | None = None
+    sinks: bool = False
 
 
 class SelfAttention:
@@ -52,6 +54,8 @@ class SelfAttention:
                                        take(p + "v_proj.bias", (self.kv_size,))])
         self.o_proj: Weight = packed(fuse([take.linear(p + "o_proj.weight", (hidden, self.q_size))]))
         self.o_bias = take.optional(p + "o_proj.bias", (hidden,))
+        # Sink logits [H]: PagedAttention adds them as a softmax column.
+        self.sinks = take(p + "sinks", (heads,)) if options.sinks else None
         self.q_norm = self.k_norm = None
         if options.qk_norm:
             head = options.qk_norm == "head"
@@ -79,5 +83,5 @@ class SelfAttention:
             q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         o = attn.forward(q.contiguous(), k.contiguous(), v, kv_cache, meta,
                          sliding_window=self.opt.window, logit_softcap=self.opt.softcap,
-                         scale=self.opt.scale)
+                         scale=self.opt.scale, sinks=self.sinks)
         return apply_linear(o, self.o_proj, self.o_bias)

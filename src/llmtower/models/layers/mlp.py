@@ -1,4 +1,5 @@
-"""Gated MLPs: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+"""Gated MLPs: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU), tanh-GELU (GeGLU), or
+gpt-oss's clamped SwiGLU (``(up + 1) * gate * sigmoid(alpha * gate)``, both clamped)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,9 @@ from llmtower.models.layers.weights import Weight, WeightTaker, apply_linear, fu
 from llmtower.models.linear import PackedWeight, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedTensor
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oss")
+# gpt-oss's swiglu_alpha and swiglu_limit defaults.
+OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 
 
 class GatedMLP:
@@ -17,7 +20,9 @@ class GatedMLP:
     gate/up matrix and split it."""
 
     def __init__(self, gate: torch.Tensor | QuantizedTensor, up: torch.Tensor | QuantizedTensor,
-                 down: torch.Tensor | QuantizedTensor, act: str) -> None:
+                 down: torch.Tensor | QuantizedTensor, act: str,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 alpha: float = OSS_ALPHA, limit: float = OSS_LIMIT) -> None:
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={act!r} is not supported: one of {', '.join(ACTIVATIONS)}")
         self.act = act
@@ -26,7 +31,10 @@ class GatedMLP:
         self.gate: torch.Tensor | PackedWeight | None = None
         self.up: torch.Tensor | PackedWeight | None = None
         self.gate_up: Weight | None = None
-        if act == "silu" and isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias  # [2 * I] (gate, up), [H]
+        self.alpha, self.limit = alpha, limit
+        if act == "silu" and isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) \
+                and gate_up_bias is None and down_bias is None:
             self.gate, self.up = prepack_gate_up(gate, up)
         else:
             self.gate_up = packed(fuse([gate, up]))
@@ -44,10 +52,13 @@ class GatedMLP:
         if self.gate_up is None:
             assert self.gate is not None and self.up is not None
             return apply_linear(silu_mul(x, self.gate, self.up), self.down)
-        y = apply_linear(x, self.gate_up)
+        y = apply_linear(x, self.gate_up, self.gate_up_bias)
         i = self.intermediate
         if self.act == "silu":
             h = F.silu(y[:, :i]).mul_(y[:, i:])
-        else:
+        elif self.act == "gelu_pytorch_tanh":
             h = F.gelu(y[:, :i], approximate="tanh").mul_(y[:, i:])
-        return apply_linear(h, self.down)
+        else:
+            g = y[:, :i].clamp(max=self.limit)
+            h = (y[:, i:].clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+        return apply_linear(h, self.down, self.down_bias)

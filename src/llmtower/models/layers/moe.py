@@ -23,6 +23,8 @@ class Routing:
 
     top_k: int
     normalize: bool
+    # gpt-oss: the top-k of the raw logits, softmaxed among themselves (normalize is moot).
+    softmax_after_topk: bool = False
 
 
 class SparseMoE:
@@ -30,11 +32,13 @@ class SparseMoE:
     expert added to every token, scaled by a sigmoid gate."""
 
     def __init__(self, router: torch.Tensor, experts: list[GatedMLP], routing: Routing,
-                 shared: GatedMLP | None = None, shared_gate: torch.Tensor | None = None) -> None:
+                 shared: GatedMLP | None = None, shared_gate: torch.Tensor | None = None,
+                 router_bias: torch.Tensor | None = None) -> None:
         if not 0 < routing.top_k <= len(experts):
             raise ValueError(f"num_experts_per_tok={routing.top_k} must be between 1 and the "
                              f"number of experts ({len(experts)})")
         self.router = router  # [E, hidden], in the model's dtype
+        self.router_bias = router_bias  # [E] (gpt-oss)
         self.experts = experts
         self.routing = routing
         self.shared = shared
@@ -54,7 +58,10 @@ class SparseMoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] float32)."""
-        logits = torch.nn.functional.linear(x, self.router)
+        logits = torch.nn.functional.linear(x, self.router, self.router_bias)
+        if self.routing.softmax_after_topk:
+            top, ids = torch.topk(logits, self.routing.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.routing.top_k, dim=-1)
         if self.routing.normalize:
