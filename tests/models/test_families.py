@@ -96,9 +96,21 @@ def _generate(path: Path) -> list[list[int]]:
     return got
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_tokenizer_dir):
+    """family -> its model directory, built once for the module's tests."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = _build(tmp_path_factory.mktemp(family), tiny_tokenizer_dir, family)
+        return cache[family]
+    return get
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float32_greedy_equals_transformers(family, tmp_path, tiny_tokenizer_dir):
-    path = _build(tmp_path / family, tiny_tokenizer_dir, family)
+def test_float32_greedy_equals_transformers(family, built):
+    path = built(family)
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     assert model_class(arch).__name__ == arch  # its own class, not the Llama one
     assert _generate(path) == hf_greedy(path, PROMPTS + PREFIXED, MAX_TOKENS)
@@ -150,8 +162,8 @@ def _hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_past_the_window_equal_transformers(family, tmp_path, tiny_tokenizer_dir):
-    path = _build(tmp_path / family, tiny_tokenizer_dir, family)
+def test_logits_past_the_window_equal_transformers(family, built):
+    path = built(family)
     torch.testing.assert_close(_our_logits(path, IDS), _hf_logits(path, IDS),
                                atol=2e-4, rtol=1e-4)
 
