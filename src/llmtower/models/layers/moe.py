@@ -71,6 +71,15 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         k = self.routing.top_k
+        if x.shape[0] == 1:
+            # One token (a one-stream decode step): its k experts straight on x, in expert
+            # order as below, without the sort, gather and scatter.
+            out = torch.zeros_like(x)
+            w = weights[0].to(x.dtype)  # rounded as the grouped path rounds them
+            chosen = ids[0].tolist()
+            for j in sorted(range(k), key=chosen.__getitem__):
+                out += self.experts[chosen[j]](x).mul_(w[j])
+            return self._add_shared(x, out)
         flat = ids.reshape(-1)
         # Group the (token, choice) pairs by expert: one stable sort, then each expert's run.
         order = torch.argsort(flat, stable=True)
@@ -86,6 +95,10 @@ class SparseMoE:
             y = self.experts[e](x.index_select(0, rows))
             out.index_add_(0, rows, y.mul_(weight_of[start:start + n, None]))
             start += n
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the shared expert's output where there is one (Qwen2-MoE)."""
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
