@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from llmtower.kernels import ops
 from llmtower.kernels.fused_ops import FusedOps
 from llmtower.models.llama import rms_norm
-from llmtower.models.rope import RotaryEmbedding
+from llmtower.models.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(ops.capabilities().why_not("fused_ops") is not None, reason="no C compiler here")
 DTYPES = [torch.float32, torch.bfloat16]

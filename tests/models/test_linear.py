@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-import llmtower.models.llama as llama_module
+import llmtower.models.layers.head as head_module
+import llmtower.models.layers.weights as weights_module
 from llmtower.models import linear as L
 from llmtower.utils import cpu_info
 from tests.models.test_llama import IDS, our_logits
@@ -62,7 +63,8 @@ def test_prepack_leaves_other_tensors_alone():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_logits_unchanged_by_packing(dtype, tiny_llama_dir, monkeypatch):
     packed = our_logits(tiny_llama_dir, IDS, dtype)
-    monkeypatch.setattr(llama_module, "prepack", L._identity)
+    monkeypatch.setattr(weights_module, "prepack", L._identity)
+    monkeypatch.setattr(head_module, "prepack", L._identity)
     plain = our_logits(tiny_llama_dir, IDS, dtype)
     if dtype == torch.bfloat16 and _onednn_uses_amx():
         # On a CPU with AMX, oneDNN's packed bfloat16 GEMM runs on AMX tiles, which sum in

@@ -10,7 +10,7 @@ from llmtower.executor.kv_cache import KVCache
 from llmtower.models.attention import AttentionMetadata, PagedAttention, PrefillSeq
 from llmtower.models.llama import LlamaForCausalLM
 from llmtower.models.loader import load_model_config, load_state_dict
-from llmtower.models.rope import RotaryEmbedding
+from llmtower.models.layers.rotary import RotaryEmbedding
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -321,10 +321,8 @@ def _llama_config_json() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0},
-    {"type": "dynamic", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
     {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+    {"type": "su", "factor": 2.0},
 ])
 def test_unsupported_rope_scaling_is_refused_by_name(tmp_path, rope):
     import json

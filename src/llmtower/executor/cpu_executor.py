@@ -15,7 +15,7 @@ from llmtower.lora.adapter import LoRAModelShape
 from llmtower.lora.model_manager import LoRAModelManager
 from llmtower.lora.request import LoRARequest
 from llmtower.models.config import ModelConfig
-from llmtower.models.llama import LlamaForCausalLM
+from llmtower.models.registry import model_class
 from llmtower.models.quant import QuantizedTensor
 
 
@@ -34,8 +34,8 @@ class CPUExecutor:
             raise ValueError(f"max_model_len={max_model_len} must be at least 1")
         self.model_config = model_config
         self.dtype = dtype
-        self.model = LlamaForCausalLM(model_config, state_dict, dtype, max_model_len,
-                                      quantization)
+        self.model = model_class(model_config.architecture)(
+            model_config, state_dict, dtype, max_model_len, quantization)
         self.kv_cache = KVCache(model_config, cache_config.num_blocks, cache_config.num_cpu_blocks,
                                 cache_config.block_size, dtype,
                                 resolve_kv_cache_dtype(cache_config.cache_dtype, dtype),
@@ -62,6 +62,10 @@ class CPUExecutor:
 
     def enable_lora(self, max_loras: int, max_cpu_loras: int, max_lora_rank: int) -> None:
         """--enable-lora: the runner gets an adapter manager (lora/model_manager.py)."""
+        if not self.model.supports_lora:
+            raise ValueError(f"--enable-lora is not supported for {self.model_config.architecture} "
+                             "models yet: LoRA adapters run on the Llama-family models "
+                             "(Llama, Qwen2, Qwen3, Mistral, Phi-3)")
         self.runner.lora = LoRAModelManager(LoRAModelShape.from_config(self.model_config),
                                             self.dtype, max_loras, max_cpu_loras, max_lora_rank)
 

@@ -30,7 +30,8 @@ from llmtower.executor.rejection_sampler import target_probs
 from llmtower.executor.sampler import _GREEDY_TEMPERATURE
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, decode_batch,
                                        decode_groups)
-from llmtower.models.llama import LlamaForCausalLM
+from llmtower.models.interface import CausalLM
+from llmtower.models.registry import model_class
 from llmtower.spec_decode.config import SpeculativeConfig
 
 # Requests drafted together in one pass of the draft loop: bounds the scratch blocks.
@@ -43,7 +44,7 @@ class DraftModelProposer:
 
     needs_batch = True  # proposes from the runner's rows (block tables), not from histories
 
-    def __init__(self, model: LlamaForCausalLM, runner: Any, max_k: int) -> None:
+    def __init__(self, model: CausalLM, runner: Any, max_k: int) -> None:
         tkv = runner.kv_cache
         self.model = model
         self.block_size = bs = tkv.block_size
@@ -73,7 +74,7 @@ class DraftModelProposer:
                              f"{mc.vocab_size} tokens but the target has {target.vocab_size}: "
                              "a draft model must share the target's tokenizer")
         weights: dict = load_state_dict(path, dtype)
-        model = LlamaForCausalLM(mc, weights, dtype, runner.max_model_len)
+        model = model_class(mc.architecture)(mc, weights, dtype, runner.max_model_len)
         return cls(model, runner, config.num_speculative_tokens)
 
     # ------------------------------------------------------------------ keeping the cache in step

@@ -29,7 +29,7 @@ from llmtower.lora.model_manager import LoRAModelManager
 from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
                                        decode_batch, decode_groups, kernel_decode_mask)
-from llmtower.models.llama import LlamaForCausalLM
+from llmtower.models.interface import CausalLM
 from llmtower.executor.spec_decode_step import SpecDecodeStep, expand_logits_indices
 from llmtower.structured_output.bitmask import apply_grammar_bitmask, grammar_logits_rows
 
@@ -69,7 +69,7 @@ class ModelRunner:
     """Owns the model, the persistent ``InputBatch``, the attention planner and the sampler;
     the KV tensors it attends over belong to the ``KVCache`` it is given."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_model_len: int,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, max_model_len: int,
                  seed: int = 0, attention_backend: str = "auto") -> None:
         cfg = model.config
         self.model = model
@@ -170,7 +170,7 @@ class ModelRunner:
     def _execute_greedy(self, so: SchedulerOutput, req_ids: list[str],
                         inputs: StepInputs, lora: LoRAStep | None = None) -> ModelRunnerOutput:
         """A step of plain greedy rows: the model stops at the final norm and picks the
-        tokens (``LlamaForCausalLM.greedy_tokens``: the argmax the sampler would take, after
+        tokens (``CausalLM.greedy_tokens``: the argmax the sampler would take, after
         the grammars' bitmasks and the min_tokens masks)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.kv_caches,
                             self.attn, inputs.meta, inputs.logits_indices, head=False,

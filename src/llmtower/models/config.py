@@ -10,20 +10,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+from llmtower.models.registry import (FAMILIES, architecture_of_model_type, check_architecture,
+                                      supported_architectures)
 
-# config.json files without "architectures" still name their family in "model_type".
-_MODEL_TYPE_TO_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "phi3": "Phi3ForCausalLM",
+SUPPORTED_ARCHITECTURES = supported_architectures()
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+# The MLP activations of the supported families (Gemma's GeGLU: gelu_pytorch_tanh).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Each scaled rope type's required parameters.
+_ROPE_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
-_ARCHITECTURE_TO_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE_TO_ARCHITECTURE.items()}
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -66,11 +66,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     qk_norm: bool = False
+    # The whole config.json: the family-specific settings each family reads itself
+    # (``get``), so that adding a family does not touch this class.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}: llmtower loads "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_architecture(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads"):
             if getattr(self, name) <= 0:
@@ -87,11 +88,17 @@ class ModelConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: Llama-family MLPs use 'silu'")
-        self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: the MLPs use "
+                             f"{' or '.join(SUPPORTED_ACTIVATIONS)}")
+        self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         _check_window(self.sliding_window, self.layer_types, self.num_hidden_layers)
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A family-specific config.json setting (``default`` where absent or null)."""
+        value = self.raw.get(key)
+        return default if value is None else value
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -161,12 +168,14 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; its config.json has no key for it.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            # Gemma names it hidden_activation.
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, file.parent / "generation_config.json"),
             sliding_window=sliding_window,
             layer_types=layer_types,
             qk_norm=arch == "Qwen3ForCausalLM",
+            raw=dict(cfg),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -175,7 +184,9 @@ class ModelConfig:
         arch = d.pop("architecture")
         eos = d.pop("eos_token_ids")
         d.pop("qk_norm")  # implied by the architecture (Qwen3)
-        out: dict[str, Any] = {"architectures": [arch], "model_type": _ARCHITECTURE_TO_MODEL_TYPE[arch]}
+        raw = d.pop("raw")
+        out: dict[str, Any] = dict(raw)
+        out.update({"architectures": [arch], "model_type": FAMILIES[arch].model_type})
         out.update(d)
         out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
         out["mlp_bias"] = False
@@ -204,7 +215,7 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int | None, list
     (sliding_window_pattern); an explicit layer_types wins (except for Mistral, whose
     transformers class ignores it)."""
     window = cfg.get("sliding_window") or None
-    model_type = cfg.get("model_type") or _ARCHITECTURE_TO_MODEL_TYPE.get(arch, "")
+    model_type = cfg.get("model_type") or (FAMILIES[arch].model_type if arch in FAMILIES else "")
     n = int(cfg.get("num_hidden_layers") or 0)
     if model_type == "llama" or (model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
                                  and not cfg.get("use_sliding_window")):
@@ -245,37 +256,49 @@ def _check_window(window: int | None, layer_types: list[str] | None, num_layers:
 
 def _architecture(cfg: dict[str, Any], file: Path) -> str:
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCHITECTURE.get(cfg.get("model_type", ""), "")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        shown = arch or f"model_type={cfg.get('model_type')!r}"
-        raise ValueError(f"unsupported architecture {shown!r} in {file}: llmtower loads "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = archs[0] if archs else architecture_of_model_type(cfg.get("model_type", ""))
+    check_architecture(arch or f"model_type={cfg.get('model_type')!r}", str(file))
     return arch
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' here
+        params = params["full_attention"]
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return float(theta), dict(params) if params else None
 
 
-def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Normalize to None (plain RoPE) or {"rope_type": "llama3", <its four parameters>}."""
+def _check_rope_scaling(scaling: dict[str, Any] | None,
+                        max_position_embeddings: int) -> dict[str, Any] | None:
+    """Normalize to None (plain RoPE) or {"rope_type": <a scaled type>, <its parameters>}."""
     if not scaling:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
+    if rope_type not in _ROPE_KEYS:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported: llmtower supports "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    scaling = dict(scaling)
+    if rope_type == "yarn":  # transformers' default: the length the config states
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    missing = [k for k in _ROPE_KEYS[rope_type] if scaling.get(k) is None]
     if missing:
-        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}: it needs "
-                         f"{', '.join(_LLAMA3_ROPE_KEYS)}")
-    out: dict[str, Any] = {"rope_type": "llama3"}
-    out.update({k: float(scaling[k]) for k in _LLAMA3_ROPE_KEYS})
-    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+        raise ValueError(f"{rope_type} rope scaling lacks {', '.join(missing)}: it needs "
+                         f"{', '.join(_ROPE_KEYS[rope_type])}")
+    keep = _ROPE_KEYS[rope_type] if rope_type == "llama3" else tuple(
+        k for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta") and v is not None)
+    out: dict[str, Any] = {"rope_type": rope_type}
+    out.update({k: scaling[k] for k in keep})
+    out["factor"] = float(scaling["factor"])
+    if "original_max_position_embeddings" in out:
+        out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    for k in ("low_freq_factor", "high_freq_factor"):
+        if k in out:
+            out[k] = float(out[k])
+    if rope_type == "dynamic":  # NTK grows the base past the trained length
+        out["max_position_embeddings"] = max_position_embeddings
     return out
 
 

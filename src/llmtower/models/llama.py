@@ -23,7 +23,6 @@ from llmtower.kernels import ops
 from llmtower.kernels.fused_ops import FusedOps
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels.greedy_head import GreedyHead
 from llmtower.kernels import decode_layer as decode_layer_mod
 from llmtower.kernels.decode_layer import DecodeLayers, EndParts, LayerParts
 from llmtower.models import lora_layers
@@ -31,28 +30,16 @@ from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
-from llmtower.models.linear import PackedWeight, linear, prepack, prepack_gate_up, silu_mul
-from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
-from llmtower.models.rope import RotaryEmbedding
+from llmtower.models.layers.head import LM_HEAD_QUANTIZED_MAX_ROWS, OutputHead
+from llmtower.models.layers.norms import rms_norm
+from llmtower.models.layers.weights import Weight, WeightTaker, apply_linear, fuse, packed
+from llmtower.models.linear import PackedWeight, linear, prepack_gate_up, silu_mul
+from llmtower.models.quant import QuantizedLinear, QuantizedTensor
+from llmtower.models.layers.rotary import RotaryEmbedding
 
-Weight = torch.Tensor | PackedWeight | QuantizedLinear
-# Most sampled rows for which the quantized output layer is used (see LlamaForCausalLM.__init__).
-LM_HEAD_QUANTIZED_MAX_ROWS = 12
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: computed in float32, scaled by the weight in x's dtype."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def apply_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + bias`` for a float matrix or a packed quantized one."""
-    if isinstance(w, QuantizedLinear):
-        return w(x, bias)
-    return linear(x, w, bias)
+# Names other modules import from here.
+__all__ = ["LlamaForCausalLM", "DecoderLayerWeights", "apply_linear", "rms_norm",
+           "LM_HEAD_QUANTIZED_MAX_ROWS"]
 
 
 @dataclass
@@ -78,6 +65,8 @@ class LlamaForCausalLM:
     """Owns the weights of a Llama-family model and its rotary tables; ``forward`` runs one
     step's flat batch through every layer and returns logits for the rows asked for."""
 
+    supports_lora = True
+
     def __init__(self, config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
         if quantization not in ("none", "int8", "int4", "gguf"):
@@ -92,7 +81,7 @@ class LlamaForCausalLM:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.windows = config.layer_sliding_windows()  # per layer; None: global
-        take = _Taker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
+        take = WeightTaker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight", (config.hidden_size,))
@@ -104,35 +93,12 @@ class LlamaForCausalLM:
             self.lm_head: Weight = self.embed
         else:
             self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.lm_head_dense: torch.Tensor | PackedWeight | None = None
-        self.greedy_head: GreedyHead | None = None
-        if quantization != "none":
-            # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
-            # output layer at 8 bits or more); the embedding lookup keeps the float table.
-            head = self.lm_head
-            assert isinstance(head, torch.Tensor)
-            q_head = quantize_int8(head)
-            self.lm_head = pack(q_head)
-            # torch's int8 kernel is a GEMV kernel: past a few rows a float GEMM wins (49152 x
-            # 576, measured: int8 2.5x faster at 1 row, even at ~12, 2.6x slower at 64). That
-            # GEMM multiplies by the int8 matrix's exact float32 value (7-bit integer times a
-            # bfloat16 scale: exact in float32), so a request's logits do not depend on how
-            # many others are sampled beside it, up to summation order.
-            self.lm_head_dense = prepack(q_head.q.to(torch.float32)
-                                         * q_head.scale.to(QuantizedLinear.COMPUTE_DTYPE).float())
-        else:
-            # Its own packed copy when tied: the embedding lookup reads the plain table.
-            plain = self.lm_head
-            self.lm_head = _packed(plain)
-            if type(self.lm_head) is PackedWeight and self.lm_head.f32:
-                # float32: the decode kernel's copy, on huge pages (one stream 1.12x against
-                # oneDNN's, docs/performance.md), and the plain matrix for a step that samples
-                # more rows than the kernel takes, rather than a third copy (113 MB on SmolLM2).
-                self.lm_head = PackedWeight(plain, self.lm_head.gemv)
-            # Greedy steps pick their tokens from an int8 screen of the output layer and the
-            # exact logits of the few rows that could win (kernels/greedy_head.py): the same
-            # tokens as the full logits' argmax.
-            self.greedy_head = _greedy_head(plain, self.lm_head)
+        assert isinstance(self.lm_head, torch.Tensor)
+        self.head = OutputHead(self.lm_head, quantized=quantization != "none")
+        # The head's layouts under the names the fused decode path and tests read.
+        self.lm_head = self.head.weight
+        self.lm_head_dense = self.head.dense
+        self.greedy_head = self.head.greedy
         self.rope = RotaryEmbedding(self.head_dim, max_position, config.rope_theta,
                                     config.rope_scaling, dtype)
         self.q_size = self.num_heads * self.head_dim
@@ -193,7 +159,7 @@ class LlamaForCausalLM:
             return linear_mod.GEMV_MAX_ROWS
         return max(linear_mod.GEMV_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS)
 
-    def _load_layer(self, take: _Taker, i: int) -> DecoderLayerWeights:
+    def _load_layer(self, take: WeightTaker, i: int) -> DecoderLayerWeights:
         c = self.config
         p = f"model.layers.{i}."
         hd, h, hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -214,18 +180,18 @@ class LlamaForCausalLM:
         if isinstance(gate_w, torch.Tensor) and isinstance(up_w, torch.Tensor):
             gate, up = prepack_gate_up(gate_w, up_w)
         else:
-            fused = _fuse([gate_w, up_w])
+            fused = fuse([gate_w, up_w])
             assert isinstance(fused, QuantizedLinear)
             fused_gate_up = fused
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=_packed(_fuse([q, k, v])), qkv_bias=qkv_bias,
-            o_proj=_packed(_fuse([take.linear(p + "self_attn.o_proj.weight",
+            qkv=packed(fuse([q, k, v])), qkv_bias=qkv_bias,
+            o_proj=packed(fuse([take.linear(p + "self_attn.o_proj.weight",
                                               (c.hidden_size, h * hd))])),
             o_bias=o_bias,
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
             gate=gate, up=up,
-            down=_packed(_fuse([take.linear(p + "mlp.down_proj.weight",
+            down=packed(fuse([take.linear(p + "mlp.down_proj.weight",
                                             (c.hidden_size, c.intermediate_size))])),
             gate_up=fused_gate_up,
             q_norm=take(p + "self_attn.q_norm.weight", (hd,)) if c.qk_norm else None,
@@ -351,38 +317,18 @@ class LlamaForCausalLM:
 
     def greedy_rows(self) -> int:
         """Most sampled rows ``greedy_tokens`` takes (0: the model has no greedy screen)."""
-        g = self.greedy_head
-        if g is None or type(self.lm_head) is not PackedWeight:
-            return 0
-        return min(g.max_rows, linear_mod.decode_kernel_rows(self.lm_head))
+        return self.head.greedy_rows()
 
     def greedy_tokens(self, hidden: torch.Tensor, allow: np.ndarray | None = None
                       ) -> np.ndarray:
         """The final norm's rows (``forward(..., head=False)``, at most ``greedy_rows()``)
         -> int64 [rows]: the argmax of each row's logits, the first on ties, as the sampler
-        takes it from ``forward``'s logits (``allow``: int32 [rows, ceil(vocab / 32)] grammar
-        bitmasks, the disallowed tokens' logits -inf). The greedy screen decides most rows;
-        the full output layer the rest."""
-        assert self.greedy_head is not None
-        tokens = self.greedy_head.tokens(hidden, allow)
-        left = np.flatnonzero(tokens < 0)
-        if left.size:
-            logits = self._logits(hidden[torch.from_numpy(left)]).numpy()
-            if allow is not None:
-                allowed = np.unpackbits(allow[left].view(np.uint8), axis=1,
-                                        bitorder="little")[:, :logits.shape[1]]
-                logits[allowed == 0] = -np.inf
-            tokens[left] = np.argmax(logits, axis=-1)
-        return tokens
+        takes it from ``forward``'s logits (``OutputHead.greedy_tokens``)."""
+        return self.head.greedy_tokens(hidden, allow)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the final normalized rows."""
-        if self.lm_head_dense is not None and x.shape[0] > LM_HEAD_QUANTIZED_MAX_ROWS:
-            # What the int8 kernel computes: bfloat16 activations, float32 products and sums,
-            # the result rounded to bfloat16.
-            cd = QuantizedLinear.COMPUTE_DTYPE
-            return linear(x.to(cd).float(), self.lm_head_dense).to(cd).float()
-        return apply_linear(x, self.lm_head).float()
+        return self.head.logits(x)
 
     def _attention(self, x: torch.Tensor, layer: DecoderLayerWeights, kv_cache: torch.Tensor,
                    attn: PagedAttention, meta: AttentionMetadata, cos: torch.Tensor,
@@ -423,74 +369,3 @@ class LlamaForCausalLM:
         return linear(silu_mul(x, layer.gate, layer.up), layer.down)
 
 
-def _greedy_head(plain: Weight, head: Weight) -> GreedyHead | None:
-    """The output layer's greedy screen, where its products take a decode-step kernel whose
-    sums the screen repeats (``kernels/greedy_head.py``); None elsewhere."""
-    if type(head) is not PackedWeight or not isinstance(plain, torch.Tensor) \
-            or not ops.capabilities().can_run("greedy_head"):
-        return None
-    kernel = head.gemv
-    if kernel.path != 0 or kernel.silu_pair or plain.dtype not in (torch.bfloat16, torch.float32):
-        return None
-    try:
-        return GreedyHead(plain, kernel)
-    except ValueError:  # inf or NaN in the weights: the full layer decides every step
-        return None
-
-
-def _packed(w: Weight) -> Weight:
-    """A float matrix in oneDNN's packed layout (``models/linear.py``); quantized ones as they
-    are."""
-    return prepack(w) if isinstance(w, torch.Tensor) else w
-
-
-def _fuse(parts: list[torch.Tensor | QuantizedTensor]) -> Weight:
-    """Matrices stacked along their rows: one float matrix, or one packed quantized one (a
-    float part beside quantized ones is quantized alike)."""
-    tensors = [p for p in parts if isinstance(p, torch.Tensor)]
-    if len(tensors) == len(parts):
-        return torch.cat(tensors).contiguous() if len(tensors) > 1 else tensors[0]
-    kind = next(p.kind for p in parts if isinstance(p, QuantizedTensor))
-    qs = [p if isinstance(p, QuantizedTensor) else quantize(p, kind) for p in parts]
-    if len({(p.kind, p.group_size) for p in qs}) > 1:
-        qs = [quantize_int8(p.dequantize()) for p in qs]
-    return pack(QuantizedTensor.cat(qs))
-
-
-class _Taker:
-    """Takes named tensors out of a state dict with a clear error for a missing or misshapen
-    one; ``linear`` also quantizes float matrices when asked (``quantize`` int8 / int4)."""
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor | QuantizedTensor], dtype: torch.dtype,
-                 quantize: str | None = None) -> None:
-        self.state_dict = state_dict
-        self.dtype = dtype
-        self.quantize = quantize
-
-    def has(self, name: str) -> bool:
-        return name in self.state_dict
-
-    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
-        t = self.state_dict.get(name)
-        if t is None:
-            raise ValueError(f"the checkpoint lacks tensor {name!r}: is it a complete "
-                             "Llama-family (Llama, Qwen2, Qwen3, Mistral) checkpoint?")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
-                             f"{shape}: the weights do not match the config")
-        return t
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self._get(name, shape)
-        if isinstance(t, QuantizedTensor):
-            t = t.dequantize()
-        return t.to(self.dtype).contiguous()
-
-    def linear(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
-        """A linear layer's weight: quantized if the checkpoint holds it so or if asked to."""
-        t = self._get(name, shape)
-        if isinstance(t, QuantizedTensor):
-            return t
-        if self.quantize is not None:
-            return quantize(t, self.quantize)  # type: ignore[arg-type]
-        return t.to(self.dtype).contiguous()

@@ -1,0 +1,107 @@
+"""A sparse mixture-of-experts block: route each token to its top-k experts, group the step's
+tokens by expert, and run one GEMM (gate/up, then down) per expert that has tokens.
+
+Never a loop over tokens and never every expert for every token: a decode step of one token
+with k active experts runs exactly k small MLPs; a prefill chunk of T tokens runs at most
+``num_experts`` GEMMs whose rows add up to T * k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmtower.models.layers.mlp import GatedMLP
+from llmtower.models.layers.weights import WeightTaker
+
+
+@dataclass
+class Routing:
+    """How a router picks and weighs experts: ``top_k`` by softmax probability, renormalized
+    over the chosen ones when ``normalize`` (Mixtral always; Qwen-MoE / OLMoE by
+    ``norm_topk_prob``)."""
+
+    top_k: int
+    normalize: bool
+    # gpt-oss: the top-k of the raw logits, softmaxed among themselves (normalize is moot).
+    softmax_after_topk: bool = False
+
+
+class SparseMoE:
+    """Owns a layer's router matrix, its experts (``GatedMLP``s) and, for Qwen2-MoE, a shared
+    expert added to every token, scaled by a sigmoid gate."""
+
+    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], routing: Routing,
+                 shared: GatedMLP | None = None, shared_gate: torch.Tensor | None = None,
+                 router_bias: torch.Tensor | None = None) -> None:
+        if not 0 < routing.top_k <= len(experts):
+            raise ValueError(f"num_experts_per_tok={routing.top_k} must be between 1 and the "
+                             f"number of experts ({len(experts)})")
+        self.router = router  # [E, hidden], in the model's dtype
+        self.router_bias = router_bias  # [E] (gpt-oss)
+        self.experts = experts
+        self.routing = routing
+        self.shared = shared
+        self.shared_gate = shared_gate  # [1, hidden]
+
+    @classmethod
+    def load(cls, take: WeightTaker, prefix: str, hidden: int, intermediate: int,
+             num_experts: int, routing: Routing, act: str, router_name: str = "gate",
+             expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+             ) -> SparseMoE:
+        """The block under ``prefix`` with HF's per-expert names
+        (``<prefix>experts.<e>.<gate|up|down>.weight`` and ``<prefix><router_name>.weight``)."""
+        router = take(prefix + router_name + ".weight", (num_experts, hidden))
+        experts = [GatedMLP.load(take, f"{prefix}experts.{e}.", hidden, intermediate, act,
+                                 expert_names) for e in range(num_experts)]
+        return cls(router, experts, routing)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] float32)."""
+        logits = torch.nn.functional.linear(x, self.router, self.router_bias)
+        if self.routing.softmax_after_topk:
+            top, ids = torch.topk(logits, self.routing.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.routing.top_k, dim=-1)
+        if self.routing.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        k = self.routing.top_k
+        if x.shape[0] == 1:
+            # One token (a one-stream decode step): its k experts straight on x, in expert
+            # order as below, without the sort, gather and scatter.
+            out = torch.zeros_like(x)
+            w = weights[0].to(x.dtype)  # rounded as the grouped path rounds them
+            chosen = ids[0].tolist()
+            for j in sorted(range(k), key=chosen.__getitem__):
+                out += self.experts[chosen[j]](x).mul_(w[j])
+            return self._add_shared(x, out)
+        flat = ids.reshape(-1)
+        # Group the (token, choice) pairs by expert: one stable sort, then each expert's run.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = (order // k)
+        weight_of = weights.reshape(-1)[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            y = self.experts[e](x.index_select(0, rows))
+            out.index_add_(0, rows, y.mul_(weight_of[start:start + n, None]))
+            start += n
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the shared expert's output where there is one (Qwen2-MoE)."""
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate))
+            out += s
+        return out
