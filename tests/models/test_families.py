@@ -35,9 +35,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Scale from query_pre_attn_scalar (32, not head_dim), a soft cap that bites, GeGLU.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         query_pre_attn_scalar=32, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
-        sliding_window=64, tie_word_embeddings=True)),
+        sliding_window=16, tie_word_embeddings=True)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        query_pre_attn_scalar=32, sliding_window=64, tie_word_embeddings=True,
+        query_pre_attn_scalar=32, sliding_window=16, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -57,7 +57,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, clip_qkv=0.3, **MOE)),
     # Sinks, biases everywhere, YaRN, a clamp limit the activations reach.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        num_local_experts=4, sliding_window=64, swiglu_limit=0.5, **MOE,
+        num_local_experts=4, sliding_window=16, swiglu_limit=0.5, **MOE,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 32,
@@ -133,7 +133,7 @@ def test_unsupported_architectures_are_refused_by_name(arch, why):
         check_architecture(arch)
 
 
-IDS = random_prompts(1, 100, 100, seed=24)[0]  # longer than the windows (64)
+IDS = random_prompts(1, 100, 100, seed=24)[0]  # longer than the windows (16)
 
 
 def _our_logits(path: Path, ids: list[int]) -> torch.Tensor:
