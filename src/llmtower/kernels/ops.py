@@ -35,13 +35,14 @@ from types import MappingProxyType
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, library
+from llmtower.kernels.build import ISA_ENV, KernelUnavailable, isa_level, library
 from llmtower.utils import cpu_info
 
 logger = logging.getLogger(__name__)
 # The instruction sets a capability report names (lib_init.c's kernel_isa lists those the
 # build targets).
-ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma")
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c",
+             "avx_vnni", "asimd")
 KERNELS = ("fused_ops", "paged_attention", "prefill_bf16", "prefill_f32", "gemv_bf16",
            "gemm_bf16", "gemm_f32", "decode_layer_bf16", "decode_layer_f32", "greedy_head",
            "cpu_bind")
@@ -74,14 +75,15 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
 class Capabilities:
     """Owns the answer to "can this kernel run here?" for every kernel of the library: the
     library's path (None where it could not be built), the ISA flags this CPU lists and those
-    the build targets, whether the vector exp is libm's expf to the bit, and for each kernel
-    that cannot run, why."""
+    the build targets, the level it was built for (``LLMTOWER_CPU_ISA``), whether the vector exp
+    is libm's expf to the bit, and for each kernel that cannot run, why."""
 
     library: str | None
     cpu_isa: frozenset[str]
     build_isa: frozenset[str]
     vector_exp: bool
     unavailable: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    isa_level: str = "native"
 
     def can_run(self, kernel: str) -> bool:
         """Whether ``kernel`` (one of ``KERNELS``) has its fast path here."""
@@ -114,6 +116,7 @@ class Capabilities:
         lines = [f"{k}: on" if self.can_run(k) else f"{k}: off ({self.why_not(k)})"
                  for k in KERNELS]
         lines.append(f"library: {self.library or 'not built'}")
+        lines.append(f"isa level: {self.isa_level} ({ISA_ENV})")
         lines.append("cpu isa: " + (" ".join(f for f in ISA_FLAGS if f in self.cpu_isa) or "-"))
         lines.append("build isa: " + (" ".join(f for f in ISA_FLAGS if f in self.build_isa)
                                       or "-"))
@@ -131,18 +134,19 @@ def _fast(lib: ctypes.CDLL, fn: str, *args: int) -> bool:
 def probe() -> Capabilities:
     """Builds and asks the library (uncached: ``capabilities`` caches it)."""
     cpu_isa = frozenset(f for f in ISA_FLAGS if f in cpu_info().flags)
+    level = isa_level()
     try:
         lib = library()
     except KernelUnavailable as e:
         return Capabilities(None, cpu_isa, frozenset(), False,
-                            MappingProxyType({k: str(e) for k in KERNELS}))
+                            MappingProxyType({k: str(e) for k in KERNELS}), level)
     lib.kernel_isa.restype = ctypes.c_char_p
     build_isa = frozenset(lib.kernel_isa().decode().split())
     off = {k: why for k, (fn, args, why) in _FAST_CODE.items() if not _fast(lib, fn, *args)}
     if os.environ.get("LLMTOWER_GREEDY_HEAD", "1") == "0":
         off["greedy_head"] = "LLMTOWER_GREEDY_HEAD=0"
     return Capabilities(str(lib._name), cpu_isa, build_isa,
-                        _fast(lib, "kernel_vector_exp_check"), MappingProxyType(off))
+                        _fast(lib, "kernel_vector_exp_check"), MappingProxyType(off), level)
 
 
 @functools.cache
@@ -150,6 +154,8 @@ def capabilities() -> Capabilities:
     """This process's ``Capabilities`` (the kernel library built and probed on first call; the
     kernels that cannot run are logged then, once, with their reasons)."""
     caps = probe()
+    logger.info("C kernels built for %s=%s (%s)", ISA_ENV, caps.isa_level,
+                " ".join(f for f in ISA_FLAGS if f in caps.build_isa) or "no vector extensions")
     for kernel, why in caps.unavailable.items():
         logger.info("C kernel %s off: %s", kernel, why)
     return caps
