@@ -16,9 +16,9 @@ The kernels, by name:
     prefill_f32        float32 causal prefill attention (prefill_attention_f32.c; AVX-512)
     gemv_bf16          bfloat16 few-row products (gemv_bf16.c; AVX512_BF16)
     gemm_bf16          bfloat16 decode-step products (gemm_bf16.c; AVX512_BF16)
-    gemm_f32           float32 decode-step products (gemm_f32.c; AVX-512)
+    gemm_f32           float32 decode-step products (gemm_f32.c; vec.h: AVX-512, AVX2+FMA, NEON)
     decode_layer_bf16  the fused bfloat16 decode layer (decode_layer.c; AVX512_BF16)
-    decode_layer_f32   the fused float32 decode layer (decode_layer.c; AVX-512)
+    decode_layer_f32   the fused float32 decode layer (decode_layer.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; AVX512_VNNI + BF16)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
@@ -54,6 +54,8 @@ BY_DTYPE = {
 
 _NO_BF16 = "this CPU (or compiler) has no AVX512_BF16"
 _NO_AVX512 = "this CPU (or compiler) has no AVX-512"
+_NO_VEC = ("the kernels were built without a vector layer (vec.h: AVX-512, AVX2 with FMA, or "
+           "NEON; LLMTOWER_CPU_ISA=v2 builds none)")
 _SDPA = "prefill keeps PyTorch's SDPA"
 # kernel -> (the library's function that says whether its fast code was compiled in, that
 # function's arguments, why the kernel is off where it says no). The others (fused_ops,
@@ -63,9 +65,9 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "prefill_f32": ("prefill_f32_supported", (), f"{_NO_AVX512}: {_SDPA}"),
     "gemv_bf16": ("gemv_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
     "gemm_bf16": ("gemm_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
-    "gemm_f32": ("gemm_f32_fast", (), f"{_NO_AVX512}: float32 GEMMs stay on oneDNN"),
+    "gemm_f32": ("gemm_f32_fast", (), f"{_NO_VEC}: float32 GEMMs stay on oneDNN"),
     "decode_layer_bf16": ("decode_layer_fast", (1,), _NO_BF16),
-    "decode_layer_f32": ("decode_layer_fast", (0,), _NO_AVX512),
+    "decode_layer_f32": ("decode_layer_fast", (0,), _NO_VEC),
     "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
                     "AVX512_BF16"),
 }
