@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.cpu_executor import CPUExecutor
+from llmtower.executor.dtype_support import ALLOW_ENV, dtype_refusal
 from llmtower.executor.kv_cache import bytes_per_block
 from llmtower.kernels.kv_quant import resolve_kv_cache_dtype
 from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
@@ -94,6 +96,9 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     path: Path = resolve_model_path(args.model)
     config = load_model_config(path)
     dtype = resolve_dtype(args.resolved_dtype())
+    refusal = dtype_refusal(dtype, os.environ.get(ALLOW_ENV) == "1")
+    if refusal:
+        raise ValueError(refusal)
     max_model_len = resolve_max_model_len(args.max_model_len, config)
     num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,

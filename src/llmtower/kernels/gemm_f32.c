@@ -22,8 +22,10 @@
  * other rows or on the thread count. Rows are taken in near-equal chunks of at most CHUNK_BYTES
  * of x (which stays in L2 while the panels pass) and split into near-equal blocks of at most 12.
  *
- * Only the AVX-512 path is fast; the portable path computes the same sums (fmaf, k order) for
- * tests, and Python uses the kernel only where the fast path exists (``gemm_f32_fast``).
+ * The fast path is written on kernels/vec.h (AVX-512: 12 rows x 32 columns; AVX2 and NEON: 6 rows
+ * x 16 columns per pass, two passes per panel), and computes the portable path's sums (fmaf, k
+ * order) bit for bit. The portable path is for tests (and LLMTOWER_CPU_ISA=v2); Python uses the
+ * kernel only where the fast path exists (``gemm_f32_fast``).
  */
 #include <stdint.h>
 #include "gemm_f32_panels.h"

@@ -4,9 +4,9 @@ a matrix in the kernel's panel layout and multiplies rows by it.
 A float32 decode step multiplies the running requests' rows (tens to a few hundred) by every
 weight matrix, which comes from memory each step; oneDNN reaches only 60-85% of its in-cache
 rate there. The kernel streams each 32-column panel once per step with the next one prefetched.
-It is used only where the CPU has AVX-512 (``ops.capabilities()``, kernel ``gemm_f32``); the
-caller keeps oneDNN for other row counts and CPUs. Calls check only what the model could get
-wrong cheaply: it passes tensors it allocated itself.
+It is used only where the build has a vector layer, AVX-512, AVX2+FMA or NEON (``kernels/vec.h``;
+``ops.capabilities()``, kernel ``gemm_f32``); the caller keeps oneDNN for other row counts and
+CPUs. Calls check only what the model could get wrong cheaply: it passes tensors it allocated itself.
 """
 from __future__ import annotations
 

@@ -9,18 +9,25 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define F32_FAST 1
-#else
-#define F32_FAST 0
-#endif
 #include "threads.h"
+#include "vec.h"
 #include "vec_exp.h"
 
-#define F32_NP 32     /* output columns per panel: two vectors of 16 */
+#define F32_FAST VEC_FAST
+#define F32_NP 32     /* output columns per panel */
 #define F32_HALF 16   /* gate (or up) columns per panel of a silu pair */
-#define F32_MR 12     /* most rows per micro-kernel call: 24 accumulators + 2 weights + broadcast */
+/* The micro-kernel's tile: F32_MR rows x F32_TV vectors of a panel's columns (the panel's
+ * F32_NP / (F32_TV * VEC_LANES) column blocks one after the other), sized to the registers:
+ * AVX-512 (32): 12 x 2 = 24 accumulators + 2 weights + a broadcast; AVX2 (16): 6 x 2 = 12 + 3;
+ * NEON (32): 6 x 4 = 24 + 5. */
+#if VEC_LANES == 16
+#define F32_MR 12
+#define F32_TV 2
+#else
+#define F32_MR 6
+#define F32_TV (VEC_LANES == 8 ? 2 : 4)
+#endif
+#define F32_TW (F32_TV * VEC_LANES) /* columns per tile */
 #define F32_CHUNK_BYTES (640 * 1024) /* x rows per pass over the panels: what stays in L2 beside a panel */
 
 static inline float f32_silu(float g) { return g / (1.0f + expf(-g)); }
@@ -32,7 +39,7 @@ static void f32_store_tile(const float *acc, int rows, float *out, int64_t ldo, 
         const float *a = acc + r * F32_NP;
         float *o = out + r * ldo;
         if (silu) {
-#if F32_FAST
+#if defined(__AVX512F__)
             if (path == 0) {
                 const __m512 s = silu16(_mm512_loadu_ps(a)), u = _mm512_loadu_ps(a + F32_HALF);
                 _mm512_mask_storeu_ps(o, (__mmask16)((1u << ncols) - 1), _mm512_mul_ps(s, u));
@@ -57,25 +64,30 @@ static void f32_tile_portable(const float *x, int64_t ldx, int rows, const float
 }
 
 #if F32_FAST
-/* acc[r * F32_NP + c] for R rows; prefetches `pf_lines` 64-byte lines from `pf`, one per k. */
+/* acc[r * F32_NP + c] for R rows; prefetches `pf_lines` 64-byte lines from `pf`, one per k (in
+ * the first column block's pass). Each output: one accumulator, k order, fused multiply-adds. */
 static inline __attribute__((always_inline)) void f32_tile_fast(
         const float *x, int64_t ldx, const int R, const float *pw, int64_t k, float *acc,
         const char *pf, int64_t pf_lines, const char *side, int64_t side_lines) {
-    __m512 a[F32_MR][2];
-    for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
-    for (int64_t kk = 0; kk < k; kk++) {
-        __m512 w0 = _mm512_loadu_ps(pw + kk * F32_NP), w1 = _mm512_loadu_ps(pw + kk * F32_NP + 16);
-        if (kk < pf_lines) _mm_prefetch(pf + kk * 64, _MM_HINT_T1);
-        else if (kk - pf_lines < side_lines) _mm_prefetch(side + (kk - pf_lines) * 64, _MM_HINT_T1);
-        for (int r = 0; r < R; r++) {
-            __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
-            a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+    for (int c0 = 0; c0 < F32_NP; c0 += F32_TW) {
+        vf a[F32_MR][F32_TV];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < F32_TV; v++) a[r][v] = vf_zero();
+        for (int64_t kk = 0; kk < k; kk++) {
+            vf w[F32_TV];
+            for (int v = 0; v < F32_TV; v++) w[v] = vf_load(pw + kk * F32_NP + c0 + v * VEC_LANES);
+            if (c0 == 0) {
+                if (kk < pf_lines) vec_prefetch_l2(pf + kk * 64);
+                else if (kk - pf_lines < side_lines) vec_prefetch_l2(side + (kk - pf_lines) * 64);
+            }
+            for (int r = 0; r < R; r++) {
+                const vf xb = vf_set1(x[r * ldx + kk]);
+                for (int v = 0; v < F32_TV; v++) a[r][v] = vf_fma(xb, w[v], a[r][v]);
+            }
         }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(acc + r * F32_NP, a[r][0]);
-        _mm512_storeu_ps(acc + r * F32_NP + 16, a[r][1]);
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < F32_TV; v++)
+                vf_store(acc + r * F32_NP + c0 + v * VEC_LANES, a[r][v]);
     }
 }
 
@@ -87,7 +99,9 @@ static void f32_tile_dispatch(const float *xr, int64_t ldx, int rows, const floa
                               int64_t side_lines) {
     switch (rows) {
         F32_CASE(1) F32_CASE(2) F32_CASE(3) F32_CASE(4) F32_CASE(5) F32_CASE(6)
+#if F32_MR > 6
         F32_CASE(7) F32_CASE(8) F32_CASE(9) F32_CASE(10) F32_CASE(11) F32_CASE(12)
+#endif
         default: break;
     }
 }

@@ -250,14 +250,7 @@ static void exact_f32(const float *x, int64_t k, const float *wp, const int64_t 
         if (p != cur) {
             const float *panel = wp + p * k * F32_NP;
 #if F32_FAST
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            for (int64_t kk = 0; kk < k; kk++) {
-                __m512 xb = _mm512_set1_ps(x[kk]);
-                a0 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + kk * F32_NP), a0);
-                a1 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + kk * F32_NP + 16), a1);
-            }
-            _mm512_storeu_ps(acc, a0);
-            _mm512_storeu_ps(acc + 16, a1);
+            f32_tile_fast(x, k, 1, panel, k, acc, NULL, 0, NULL, 0);
 #else
             for (int c = 0; c < F32_NP; c++) {
                 float s = 0.0f;

@@ -57,6 +57,15 @@ static const char build_isa[] = ""
 #ifdef __FMA__
     " fma"
 #endif
+#ifdef __F16C__
+    " f16c"
+#endif
+#ifdef __AVXVNNI__
+    " avx_vnni"
+#endif
+#if defined(__ARM_NEON) || defined(__ARM_NEON__)
+    " asimd"
+#endif
     ;
 
 const char *kernel_isa(void) { return build_isa; }

@@ -16,9 +16,9 @@ The kernels, by name:
     prefill_f32        float32 causal prefill attention (prefill_attention_f32.c; AVX-512)
     gemv_bf16          bfloat16 few-row products (gemv_bf16.c; AVX512_BF16)
     gemm_bf16          bfloat16 decode-step products (gemm_bf16.c; AVX512_BF16)
-    gemm_f32           float32 decode-step products (gemm_f32.c; AVX-512)
+    gemm_f32           float32 decode-step products (gemm_f32.c; vec.h: AVX-512, AVX2+FMA, NEON)
     decode_layer_bf16  the fused bfloat16 decode layer (decode_layer.c; AVX512_BF16)
-    decode_layer_f32   the fused float32 decode layer (decode_layer.c; AVX-512)
+    decode_layer_f32   the fused float32 decode layer (decode_layer.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; AVX512_VNNI + BF16)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
@@ -35,13 +35,14 @@ from types import MappingProxyType
 
 import torch
 
-from llmtower.kernels.build import KernelUnavailable, library
+from llmtower.kernels.build import ISA_ENV, KernelUnavailable, isa_level, library
 from llmtower.utils import cpu_info
 
 logger = logging.getLogger(__name__)
 # The instruction sets a capability report names (lib_init.c's kernel_isa lists those the
 # build targets).
-ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma")
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c",
+             "avx_vnni", "asimd")
 KERNELS = ("fused_ops", "paged_attention", "prefill_bf16", "prefill_f32", "gemv_bf16",
            "gemm_bf16", "gemm_f32", "decode_layer_bf16", "decode_layer_f32", "greedy_head",
            "cpu_bind")
@@ -68,6 +69,8 @@ def kernel_takes(kernel: str, options: frozenset[str]) -> bool:
 
 _NO_BF16 = "this CPU (or compiler) has no AVX512_BF16"
 _NO_AVX512 = "this CPU (or compiler) has no AVX-512"
+_NO_VEC = ("the kernels were built without a vector layer (vec.h: AVX-512, AVX2 with FMA, or "
+           "NEON; LLMTOWER_CPU_ISA=v2 builds none)")
 _SDPA = "prefill keeps PyTorch's SDPA"
 # kernel -> (the library's function that says whether its fast code was compiled in, that
 # function's arguments, why the kernel is off where it says no). The others (fused_ops,
@@ -77,9 +80,9 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "prefill_f32": ("prefill_f32_supported", (), f"{_NO_AVX512}: {_SDPA}"),
     "gemv_bf16": ("gemv_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
     "gemm_bf16": ("gemm_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
-    "gemm_f32": ("gemm_f32_fast", (), f"{_NO_AVX512}: float32 GEMMs stay on oneDNN"),
+    "gemm_f32": ("gemm_f32_fast", (), f"{_NO_VEC}: float32 GEMMs stay on oneDNN"),
     "decode_layer_bf16": ("decode_layer_fast", (1,), _NO_BF16),
-    "decode_layer_f32": ("decode_layer_fast", (0,), _NO_AVX512),
+    "decode_layer_f32": ("decode_layer_fast", (0,), _NO_VEC),
     "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
                     "AVX512_BF16"),
 }
@@ -89,14 +92,15 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
 class Capabilities:
     """Owns the answer to "can this kernel run here?" for every kernel of the library: the
     library's path (None where it could not be built), the ISA flags this CPU lists and those
-    the build targets, whether the vector exp is libm's expf to the bit, and for each kernel
-    that cannot run, why."""
+    the build targets, the level it was built for (``LLMTOWER_CPU_ISA``), whether the vector exp
+    is libm's expf to the bit, and for each kernel that cannot run, why."""
 
     library: str | None
     cpu_isa: frozenset[str]
     build_isa: frozenset[str]
     vector_exp: bool
     unavailable: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    isa_level: str = "native"
 
     def can_run(self, kernel: str) -> bool:
         """Whether ``kernel`` (one of ``KERNELS``) has its fast path here."""
@@ -129,6 +133,7 @@ class Capabilities:
         lines = [f"{k}: on" if self.can_run(k) else f"{k}: off ({self.why_not(k)})"
                  for k in KERNELS]
         lines.append(f"library: {self.library or 'not built'}")
+        lines.append(f"isa level: {self.isa_level} ({ISA_ENV})")
         lines.append("cpu isa: " + (" ".join(f for f in ISA_FLAGS if f in self.cpu_isa) or "-"))
         lines.append("build isa: " + (" ".join(f for f in ISA_FLAGS if f in self.build_isa)
                                       or "-"))
@@ -146,18 +151,19 @@ def _fast(lib: ctypes.CDLL, fn: str, *args: int) -> bool:
 def probe() -> Capabilities:
     """Builds and asks the library (uncached: ``capabilities`` caches it)."""
     cpu_isa = frozenset(f for f in ISA_FLAGS if f in cpu_info().flags)
+    level = isa_level()
     try:
         lib = library()
     except KernelUnavailable as e:
         return Capabilities(None, cpu_isa, frozenset(), False,
-                            MappingProxyType({k: str(e) for k in KERNELS}))
+                            MappingProxyType({k: str(e) for k in KERNELS}), level)
     lib.kernel_isa.restype = ctypes.c_char_p
     build_isa = frozenset(lib.kernel_isa().decode().split())
     off = {k: why for k, (fn, args, why) in _FAST_CODE.items() if not _fast(lib, fn, *args)}
     if os.environ.get("LLMTOWER_GREEDY_HEAD", "1") == "0":
         off["greedy_head"] = "LLMTOWER_GREEDY_HEAD=0"
     return Capabilities(str(lib._name), cpu_isa, build_isa,
-                        _fast(lib, "kernel_vector_exp_check"), MappingProxyType(off))
+                        _fast(lib, "kernel_vector_exp_check"), MappingProxyType(off), level)
 
 
 @functools.cache
@@ -165,6 +171,8 @@ def capabilities() -> Capabilities:
     """This process's ``Capabilities`` (the kernel library built and probed on first call; the
     kernels that cannot run are logged then, once, with their reasons)."""
     caps = probe()
+    logger.info("C kernels built for %s=%s (%s)", ISA_ENV, caps.isa_level,
+                " ".join(f for f in ISA_FLAGS if f in caps.build_isa) or "no vector extensions")
     for kernel, why in caps.unavailable.items():
         logger.info("C kernel %s off: %s", kernel, why)
     return caps

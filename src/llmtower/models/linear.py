@@ -107,6 +107,9 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
     pack = _onednn_pack(op)
     pack_both = _with_gemv(pack)
     bf16_ok = ops.capabilities().can_run("gemm_bf16")
+    # oneDNN without a bfloat16 inner product on this CPU (AVX2 and older: "could not create a
+    # primitive descriptor"): bfloat16 matrices take PyTorch's own GEMM instead.
+    plain_bf16 = not _onednn_runs(op, torch.bfloat16)
 
     def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +120,8 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
             if m <= BF16_KERNEL_MAX_ROWS and bf16_ok and isinstance(weight.gemv, GemvWeight):
                 return gemm_bf16(weight.gemv, x, bias)
             weight = weight.onednn
+        if plain_bf16 and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
+            return F.linear(x, weight, bias)
         return op(x, weight, bias, "none", [], "")
 
     def silu_mul(x: torch.Tensor, gate: torch.Tensor | PackedWeight,
@@ -131,6 +136,9 @@ def _onednn_ops() -> tuple[Linear, Callable[..., torch.Tensor], Callable[..., to
             gate = gate.onednn
         if type(up) is PackedWeight:
             up = up.onednn
+        if plain_bf16 and isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) \
+                and gate.dtype == torch.bfloat16:
+            return _plain_silu_mul(x, gate, up)
         return op.binary(x, op(x, gate, None, "swish", [], ""), up, None, "mul")
 
     return linear, silu_mul, pack, pack_both
@@ -140,23 +148,39 @@ def _identity(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def _onednn_runs(op, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's inner product runs in ``dtype`` here (not in bfloat16 on a CPU whose
+    oneDNN stops at AVX2: it raises instead)."""
+    try:
+        x, w = torch.ones(2, 4, dtype=dtype), torch.full((3, 4), 0.5, dtype=dtype)
+        return torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w))
+    except RuntimeError:
+        return False
+
+
 def _onednn_pack(op) -> Callable[..., torch.Tensor]:
-    """oneDNN's weight packing, where this torch has it and it gives the plain weight's
-    results exactly (in both dtypes, with a bias); otherwise weights stay as they are."""
+    """oneDNN's weight packing, for each dtype where this torch has it and it gives the plain
+    weight's results exactly (with a bias); weights of other dtypes stay as they are."""
+    packs: list[torch.dtype] = []
     try:
         reorder = torch.ops.mkldnn._reorder_linear_weight
-        for dtype in (torch.float32, torch.bfloat16):
+    except AttributeError:
+        return _identity
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
             x = torch.linspace(-1, 1, 3 * 40).reshape(3, 40).to(dtype)
             w = torch.linspace(-2, 2, 24 * 40).reshape(24, 40).to(dtype)
             b = torch.linspace(0, 1, 24).to(dtype)
             packed = reorder(w, PACK_BATCH_SIZE)
-            if not torch.equal(op(x, packed, b, "none", [], ""), op(x, w, b, "none", [], "")):
-                return _identity
-    except (AttributeError, RuntimeError):
+            if torch.equal(op(x, packed, b, "none", [], ""), op(x, w, b, "none", [], "")):
+                packs.append(dtype)
+        except RuntimeError:  # bfloat16 where oneDNN has no bfloat16 kernel for this CPU
+            pass
+    if not packs:
         return _identity
 
     def pack(weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+        if weight.dtype not in packs or weight.dim() != 2:
             return weight
         return reorder(weight.contiguous(), PACK_BATCH_SIZE)
 
@@ -186,6 +210,10 @@ def _with_gemv(pack: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor 
 PACK_BATCH_SIZE = 64
 _ops = _onednn_ops()
 USING_ONEDNN = _ops is not None
+# Whether bfloat16 products have a fast path here: oneDNN's bfloat16 inner product (AVX512_BF16,
+# AVX-512 or AMX CPUs; not on AVX2 ones). Where not, ``linear`` takes PyTorch's own bfloat16 GEMM,
+# which is correct but far slower than float32 (executor/dtype_support.py refuses the dtype).
+BF16_FAST = USING_ONEDNN and _onednn_runs(torch.ops.mkldnn._linear_pointwise, torch.bfloat16)
 # linear(x, weight, bias=None) = x @ weight.T + bias
 linear: Linear = _ops[0] if _ops else _plain_linear
 # silu_mul(x, gate, up) = silu(x @ gate.T) * (x @ up.T), the SwiGLU MLP's first half
