@@ -33,9 +33,12 @@ from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
 from llmtower.models.linear import PackedWeight, linear, prepack, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedLinear, QuantizedTensor, pack, quantize, quantize_int8
+from llmtower.models.quant_block import (BlockEmbedding, BlockQuantLinear, GGUFMatrix,
+                                         block_linear, has_block_kernel)
 from llmtower.models.rope import RotaryEmbedding
 
-Weight = torch.Tensor | PackedWeight | QuantizedLinear
+Weight = torch.Tensor | PackedWeight | QuantizedLinear | BlockQuantLinear
+StateValue = torch.Tensor | QuantizedTensor | GGUFMatrix
 # Most sampled rows for which the quantized output layer is used (see LlamaForCausalLM.__init__).
 LM_HEAD_QUANTIZED_MAX_ROWS = 12
 
@@ -50,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def apply_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias`` for a float matrix or a packed quantized one."""
-    if isinstance(w, QuantizedLinear):
+    if isinstance(w, (QuantizedLinear, BlockQuantLinear)):
         return w(x, bias)
     return linear(x, w, bias)
 
@@ -69,7 +72,7 @@ class DecoderLayerWeights:
     gate: torch.Tensor | PackedWeight | None
     up: torch.Tensor | PackedWeight | None
     down: Weight
-    gate_up: QuantizedLinear | None = None  # [2 * intermediate, hidden]: gate rows, then up
+    gate_up: QuantizedLinear | BlockQuantLinear | None = None  # [2 * intermediate, hidden]
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of queries (qk_norm)
     k_norm: torch.Tensor | None = None  # [D]: and of keys
 
@@ -78,7 +81,7 @@ class LlamaForCausalLM:
     """Owns the weights of a Llama-family model and its rotary tables; ``forward`` runs one
     step's flat batch through every layer and returns logits for the rows asked for."""
 
-    def __init__(self, config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
+    def __init__(self, config: ModelConfig, state_dict: Mapping[str, StateValue],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
         if quantization not in ("none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization={quantization!r} is not one of none, int8, int4, gguf")
@@ -92,7 +95,9 @@ class LlamaForCausalLM:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         take = _Taker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
-        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        # A GGUF's embeddings in a block format stay so (rows dequantized per lookup).
+        self.embed = take.embedding("model.embed_tokens.weight",
+                                    (config.vocab_size, config.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight", (config.hidden_size,))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
@@ -100,12 +105,15 @@ class LlamaForCausalLM:
                 raise ValueError("the checkpoint has no lm_head.weight but tie_word_embeddings is "
                                  "false: set tie_word_embeddings=true in config.json if the "
                                  "embeddings are shared")
-            self.lm_head: Weight = self.embed
+            self.lm_head: Weight = self.embed.linear if isinstance(self.embed, BlockEmbedding) \
+                else self.embed
         else:
-            self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+            self.lm_head = take.output("lm_head.weight", (config.vocab_size, config.hidden_size))
         self.lm_head_dense: torch.Tensor | PackedWeight | None = None
         self.greedy_head: GreedyHead | None = None
-        if quantization != "none":
+        if isinstance(self.lm_head, BlockQuantLinear):
+            pass  # the GGUF's own output layer (Q6_K / Q8_0 typically), as the file has it
+        elif quantization != "none":
             # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
             # output layer at 8 bits or more); the embedding lookup keeps the float table.
             head = self.lm_head
@@ -214,8 +222,11 @@ class LlamaForCausalLM:
             gate, up = prepack_gate_up(gate_w, up_w)
         else:
             fused = _fuse([gate_w, up_w])
-            assert isinstance(fused, QuantizedLinear)
-            fused_gate_up = fused
+            if isinstance(fused, torch.Tensor):  # a GGUF part without a block kernel: float
+                gate, up = prepack_gate_up(*fused.split(c.intermediate_size))
+            else:
+                assert isinstance(fused, (QuantizedLinear, BlockQuantLinear))
+                fused_gate_up = fused
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=_packed(_fuse([q, k, v])), qkv_bias=qkv_bias,
@@ -243,7 +254,7 @@ class LlamaForCausalLM:
         if self.fused is not None and self.layers and kv_caches[0].dtype == self.dtype:
             return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
                                        logits_indices, head, lora)
-        h = F.embedding(input_ids, self.embed)
+        h = _embed(self.embed, input_ids, self.dtype)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -278,7 +289,7 @@ class LlamaForCausalLM:
         # Only fresh prefills (SDPA over the chunk's own keys) read k beside the cache.
         want_k = any(p.num_computed == 0 for p in meta.prefills)
         cos, sin = self.rope.tables()
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = _embed(self.embed, input_ids, self.dtype)  # the residual stream, updated in place
         last = len(self.layers) - 1
         # A decode step (no prefill) whose products take the decode-step kernel: layer i's
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
@@ -442,14 +453,29 @@ def _packed(w: Weight) -> Weight:
     return prepack(w) if isinstance(w, torch.Tensor) else w
 
 
-def _fuse(parts: list[torch.Tensor | QuantizedTensor]) -> Weight:
+def _embed(embed: torch.Tensor | BlockEmbedding, ids: torch.Tensor, dtype: torch.dtype
+           ) -> torch.Tensor:
+    """The embedding rows of ``ids`` in ``dtype``."""
+    if isinstance(embed, BlockEmbedding):
+        return embed(ids, dtype)
+    return F.embedding(ids, embed)
+
+
+def _fuse(parts: list[StateValue]) -> Weight:
     """Matrices stacked along their rows: one float matrix, or one packed quantized one (a
-    float part beside quantized ones is quantized alike)."""
+    float part beside quantized ones is quantized alike; GGUF blocks beside float parts are
+    dequantized)."""
+    if any(isinstance(p, GGUFMatrix) for p in parts):
+        if all(isinstance(p, GGUFMatrix) for p in parts):
+            return block_linear([p for p in parts if isinstance(p, GGUFMatrix)])
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        parts = [p.dequantize(dtype) if isinstance(p, GGUFMatrix) else p for p in parts]
     tensors = [p for p in parts if isinstance(p, torch.Tensor)]
     if len(tensors) == len(parts):
         return torch.cat(tensors).contiguous() if len(tensors) > 1 else tensors[0]
     kind = next(p.kind for p in parts if isinstance(p, QuantizedTensor))
-    qs = [p if isinstance(p, QuantizedTensor) else quantize(p, kind) for p in parts]
+    qs = [p if isinstance(p, QuantizedTensor) else quantize(p, kind) for p in parts
+          if not isinstance(p, GGUFMatrix)]
     if len({(p.kind, p.group_size) for p in qs}) > 1:
         qs = [quantize_int8(p.dequantize()) for p in qs]
     return pack(QuantizedTensor.cat(qs))
@@ -459,7 +485,7 @@ class _Taker:
     """Takes named tensors out of a state dict with a clear error for a missing or misshapen
     one; ``linear`` also quantizes float matrices when asked (``quantize`` int8 / int4)."""
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor | QuantizedTensor], dtype: torch.dtype,
+    def __init__(self, state_dict: Mapping[str, StateValue], dtype: torch.dtype,
                  quantize: str | None = None) -> None:
         self.state_dict = state_dict
         self.dtype = dtype
@@ -468,7 +494,7 @@ class _Taker:
     def has(self, name: str) -> bool:
         return name in self.state_dict
 
-    def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
+    def _get(self, name: str, shape: tuple[int, ...]) -> StateValue:
         t = self.state_dict.get(name)
         if t is None:
             raise ValueError(f"the checkpoint lacks tensor {name!r}: is it a complete "
@@ -480,13 +506,32 @@ class _Taker:
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self._get(name, shape)
+        if isinstance(t, GGUFMatrix):
+            return t.dequantize(self.dtype)
         if isinstance(t, QuantizedTensor):
             t = t.dequantize()
         return t.to(self.dtype).contiguous()
 
-    def linear(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedTensor:
-        """A linear layer's weight: quantized if the checkpoint holds it so or if asked to."""
+    def embedding(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | BlockEmbedding:
+        """The token embeddings: a GGUF's block matrix as it is, where a kernel reads it."""
         t = self._get(name, shape)
+        if isinstance(t, GGUFMatrix) and has_block_kernel(t.fmt):
+            return BlockEmbedding(t.weight())
+        return self(name, shape)
+
+    def output(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | BlockQuantLinear:
+        """An untied output layer: a GGUF's block matrix as it is, where a kernel reads it."""
+        t = self._get(name, shape)
+        if isinstance(t, GGUFMatrix) and has_block_kernel(t.fmt):
+            return block_linear([t])
+        return self(name, shape)
+
+    def linear(self, name: str, shape: tuple[int, ...]) -> StateValue:
+        """A linear layer's weight: quantized if the checkpoint holds it so or if asked to
+        (a GGUF's blocks where a kernel reads their format, else dequantized)."""
+        t = self._get(name, shape)
+        if isinstance(t, GGUFMatrix):
+            return t if has_block_kernel(t.fmt) else t.dequantize(self.dtype)
         if isinstance(t, QuantizedTensor):
             return t
         if self.quantize is not None:
