@@ -301,6 +301,7 @@ static inline float hsum8(__m256 v) {
  * take u . qa, and are added scaled (sv: the weight's scales per lane) into acc[r]. */
 #define SUB_DOT(MR, U, SV, SHIFT, AB)                                                          \
     for (int r = 0; r < MR; r++) {                                                             \
+        __m256 *acc = accs + jr * MR;                                                          \
         const int64_t i_ = r * nbk + (AB);                                                     \
         __m256i init = (SHIFT) ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(ns + 8 * i_)), (SHIFT)) \
                                : _mm256_setzero_si256();                                       \
@@ -308,19 +309,22 @@ static inline float hsum8(__m256 v) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l_), _mm256_mul_ps((SV), _mm256_set1_ps(da[i_])), acc[r]); \
     }
 
+/* NR weight rows (row_bytes apart) times MR rows of x: out[jr * MR + r]. The NR * MR
+ * accumulators are independent chains (a one-row decode takes 4 weight rows at once). */
 static inline __attribute__((always_inline)) void
-rows_fast(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, const int MR, const int8_t *qa,
-          const float *da, const float *fa, const int32_t *ns, float *out) {
+rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t nb, int64_t k,
+          const int MR, const int8_t *qa, const float *da, const float *fa, const int32_t *ns,
+          float *out) {
     const int64_t nbk = k / 32;
-    __m256 acc[QG_MR];
-    float macc[QG_MR];
-    for (int r = 0; r < MR; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    __m256 accs[8];
+    float maccs[8];
+    for (int r = 0; r < NR * MR; r++) { accs[r] = _mm256_setzero_ps(); maccs[r] = 0.0f; }
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i m4y = _mm256_set1_epi8(0x0F), m3y = _mm256_set1_epi8(0x03);
     switch (fmt) {
     case F_Q4_0: case F_Q8_0:
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wrow + b * (fmt == F_Q4_0 ? 18 : 34);
+        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
+            const uint8_t *blk = w0 + jr * row_bytes + b * (fmt == F_Q4_0 ? 18 : 34);
             const __m256 sv = _mm256_set1_ps(half_to_float(blk));
             __m256i u;
             if (fmt == F_Q4_0) {
@@ -334,8 +338,9 @@ rows_fast(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, const int MR, con
         }
         break;
     case F_Q4_1:
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wrow + b * 20;
+        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
+            const uint8_t *blk = w0 + jr * row_bytes + b * 20;
+            float *macc = maccs + jr * MR;
             const __m256 sv = _mm256_set1_ps(half_to_float(blk));
             const float mn = half_to_float(blk + 2);
             const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
@@ -347,8 +352,9 @@ rows_fast(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, const int MR, con
     case F_Q4_K: case F_Q5_K: {
         const int five = fmt == F_Q5_K;
         const int64_t bb = five ? 176 : 144;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wrow + b * bb;
+        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
+            const uint8_t *blk = w0 + jr * row_bytes + b * bb;
+            float *macc = maccs + jr * MR;
             const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
@@ -374,8 +380,8 @@ rows_fast(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, const int MR, con
         break;
     }
     case F_Q6_K:
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wrow + b * 210;
+        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
+            const uint8_t *blk = w0 + jr * row_bytes + b * 210;
             const float d = half_to_float(blk + 208);
             const int8_t *sc = (const int8_t *)(blk + 192);
             for (int c = 0; c < 2; c++) {
@@ -398,17 +404,22 @@ rows_fast(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, const int MR, con
         }
         break;
     }
-    for (int r = 0; r < MR; r++) out[r] = hsum8(acc[r]) + macc[r];
+    for (int r = 0; r < NR * MR; r++) out[r] = hsum8(accs[r]) + maccs[r];
 }
 
-static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
-                          const int8_t *qa, const float *da, const float *fa, const int32_t *ns,
-                          float *out) {
-    switch (mr) { /* a constant row count each: the accumulators stay in registers */
-    case 1: rows_fast(fmt, wrow, nb, k, 1, qa, da, fa, ns, out); break;
-    case 2: rows_fast(fmt, wrow, nb, k, 2, qa, da, fa, ns, out); break;
-    case 3: rows_fast(fmt, wrow, nb, k, 3, qa, da, fa, ns, out); break;
-    default: rows_fast(fmt, wrow, nb, k, 4, qa, da, fa, ns, out); break;
+static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int nr, int64_t nb,
+                          int64_t k, int mr, const int8_t *qa, const float *da, const float *fa,
+                          const int32_t *ns, float *out) {
+    /* constant row counts: the accumulators stay in registers */
+    if (nr == 4) {
+        rows_fast(fmt, wrow, row_bytes, 4, nb, k, 1, qa, da, fa, ns, out);
+        return;
+    }
+    switch (mr) {
+    case 1: rows_fast(fmt, wrow, row_bytes, 1, nb, k, 1, qa, da, fa, ns, out); break;
+    case 2: rows_fast(fmt, wrow, row_bytes, 1, nb, k, 2, qa, da, fa, ns, out); break;
+    case 3: rows_fast(fmt, wrow, row_bytes, 1, nb, k, 3, qa, da, fa, ns, out); break;
+    default: rows_fast(fmt, wrow, row_bytes, 1, nb, k, 4, qa, da, fa, ns, out); break;
     }
 }
 #endif
@@ -428,8 +439,23 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
 #pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
     {
         const int64_t t = kernel_thread(), team = kernel_team();
-        const int64_t j0 = n * t / team, j1 = n * (t + 1) / team;
-        float out[QG_MR];
+        int64_t j0 = n * t / team;
+        const int64_t j1 = n * (t + 1) / team;
+        float out[8];
+#if QG_FAST
+        if (fast && m == 1) { /* decode: four weight rows at a time, one row of x */
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4) {
+                rows_fast_any(fmt, w + j * row_bytes, row_bytes, 4, nb, k, 1, qa, da, fa, ns, out);
+                for (int c = 0; c < 4; c++) y[j + c] = out[c];
+            }
+            for (; j < j1; j++) {
+                rows_fast_any(fmt, w + j * row_bytes, row_bytes, 1, nb, k, 1, qa, da, fa, ns, out);
+                y[j] = out[0];
+            }
+            j0 = j1; /* done */
+        }
+#endif
         for (int64_t j = j0; j < j1; j++) {
             const uint8_t *wrow = w + j * row_bytes;
             for (int64_t r0 = 0; r0 < m; r0 += QG_MR) {
@@ -438,7 +464,7 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
                 const float *d = da + r0 * nbk, *f = fa + r0 * nbk;
 #if QG_FAST
                 if (fast)
-                    rows_fast_any(fmt, wrow, nb, k, mr, q, d, f, ns + 8 * r0 * nbk, out);
+                    rows_fast_any(fmt, wrow, row_bytes, 1, nb, k, mr, q, d, f, ns + 8 * r0 * nbk, out);
                 else
 #endif
                     rows_portable(fmt, wrow, nb, k, mr, q, d, f, out);
