@@ -103,13 +103,13 @@ def estimate_weight_bytes(model_dir: Path, gguf_path: Path | None, dtype: torch.
     elem = torch.empty((), dtype=dtype).element_size()
     copies = _float_copies(dtype)
     if gguf_path is not None:
-        from llmtower.models.gguf_loader import open_gguf  # gguf's reader: only for GGUFs
+        from llmtower.models.gguf_index import read_tensor_index
         from llmtower.models.quant_block import has_block_kernel
 
         total = 0
-        for t in open_gguf(gguf_path).tensors:
-            if quantization == "gguf" and len(t.shape) == 2 and has_block_kernel(int(t.tensor_type)):
-                total += int(t.n_bytes)
+        for t in read_tensor_index(gguf_path):
+            if quantization == "gguf" and len(t.shape) == 2 and has_block_kernel(int(t.qtype)):
+                total += t.nbytes
             else:
                 total += int(t.n_elements) * elem * (copies if len(t.shape) == 2 else 1)
         return total

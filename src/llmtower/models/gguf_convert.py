@@ -44,7 +44,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | Path, out_dir: str | Path) -> None:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     config = gguf_model_config(reader)
-    state = gguf_float_state_dict(reader, config, torch.float32)
+    state = gguf_float_state_dict(gguf_path, config, torch.float32)
     _write_metadata(reader, config, gguf_path, out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
+from llmtower.kernels.quant_gemm import BLOCK_FORMATS, from_numpy
 from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_dequant import dequantize
-from llmtower.models.gguf_loader import _gguf_arch, hf_tensor_name, open_gguf, unpermute_qk
+from llmtower.models.gguf_index import TensorInfo, read_tensor_index, tensor_data
+from llmtower.models.gguf_loader import _ARCHITECTURES, hf_tensor_name, unpermute_qk
 from llmtower.models.quant_block import GGUFMatrix
-from llmtower.kernels.quant_gemm import BLOCK_FORMATS, from_numpy
 
 _Q = GGMLQuantizationType
 # The file in a cached model directory that names the GGUF its weights come from.
@@ -68,16 +69,23 @@ def _heads(name: str, config: ModelConfig, permuted: bool) -> int | None:
     return None
 
 
-def _float32(t) -> np.ndarray:
-    """A reader tensor's values as float32 numpy (the kernel library's decoder for the block
+def _permuted(config: ModelConfig) -> bool:
+    """Whether llama.cpp's converter permuted this architecture's q/k rows."""
+    return any(i["permuted_qk"] and i["architecture"] == config.architecture
+               for i in _ARCHITECTURES.values())
+
+
+def _float32(mm: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """A tensor's values as float32 numpy (the kernel library's decoder for the block
     formats: exact, and fast enough to load a model at start-up)."""
-    if t.tensor_type in _FLOAT_TYPES or int(t.tensor_type) not in BLOCK_FORMATS:
-        return dequantize(t.data, t.tensor_type)
-    n, k = int(np.prod(t.shape[1:])), int(t.shape[0])
-    with warnings.catch_warnings():  # the reader's mapping is read-only; nothing writes it
+    data = tensor_data(mm, t)
+    if t.qtype in _FLOAT_TYPES or int(t.qtype) not in BLOCK_FORMATS:
+        return dequantize(data, t.qtype)
+    k = t.shape[-1]
+    with warnings.catch_warnings():  # the file's mapping is read-only; nothing writes it
         warnings.simplefilter("ignore", UserWarning)
-        return from_numpy(int(t.tensor_type), t.data, n, k).dequantize().numpy().reshape(
-            t.data.shape[:-1] + (k,))
+        return from_numpy(int(t.qtype), data, data.shape[0], k).dequantize().numpy().reshape(
+            t.shape)
 
 
 def _check_vocab(state: dict, config: ModelConfig) -> None:
@@ -88,15 +96,16 @@ def _check_vocab(state: dict, config: ModelConfig) -> None:
                          f"{config.vocab_size} tokens")
 
 
-def gguf_float_state_dict(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype
+def gguf_float_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype
                           ) -> dict[str, torch.Tensor]:
     """Every tensor of the GGUF dequantized to ``dtype`` under its Hugging Face name."""
-    _, info = _gguf_arch(reader)
+    permuted = _permuted(config)
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in read_tensor_index(path):
         name = hf_tensor_name(t.name)
-        w = _float32(t)
-        heads = _heads(name, config, info["permuted_qk"])
+        w = _float32(mm, t)
+        heads = _heads(name, config, permuted)
         if heads is not None:
             w = unpermute_qk(w, heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
@@ -110,20 +119,19 @@ def gguf_block_state_dict(path: Path, config: ModelConfig
                           ) -> dict[str, torch.Tensor | GGUFMatrix]:
     """The GGUF's tensors under their Hugging Face names: quantized matrices as
     ``GGUFMatrix`` (nothing read yet), float and 1-D tensors as float32."""
-    reader = open_gguf(path)
-    _, info = _gguf_arch(reader)
+    permuted = _permuted(config)
     state: dict[str, torch.Tensor | GGUFMatrix] = {}
-    for t in reader.tensors:
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in read_tensor_index(path):
         name = hf_tensor_name(t.name)
-        heads = _heads(name, config, info["permuted_qk"])
-        if len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES:
-            n, k = int(t.shape[1]), int(t.shape[0])
+        heads = _heads(name, config, permuted)
+        if len(t.shape) == 2 and t.qtype not in _FLOAT_TYPES:
+            n, k = t.shape
             order = None if heads is None else np.ascontiguousarray(
                 unpermute_qk(np.arange(n), heads))
-            state[name] = GGUFMatrix(Path(path), int(t.data_offset), int(t.tensor_type), n, k,
-                                     order)
+            state[name] = GGUFMatrix(Path(path), t.offset, int(t.qtype), n, k, order)
             continue
-        w = dequantize(t.data, t.tensor_type)
+        w = dequantize(tensor_data(mm, t), t.qtype)
         if heads is not None:
             w = unpermute_qk(w, heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

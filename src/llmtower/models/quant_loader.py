@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from llmtower.models.default_model import default_gguf_path, is_default_model_name
-from llmtower.models.gguf_loader import gguf_model_config, open_gguf
 from llmtower.models.gguf_weights import gguf_block_state_dict
-from llmtower.models.loader import load_state_dict
+from llmtower.models.loader import load_model_config, load_state_dict
 from llmtower.models.quant import QUANTIZATION_METHODS, QuantizedTensor
 from llmtower.models.quant_block import GGUFMatrix
 
@@ -41,7 +40,7 @@ def load_model_weights(model: str | Path | None, path: Path, dtype: torch.dtype,
                          f"{', '.join(QUANTIZATION_METHODS)}")
     if quantization == "gguf":
         gguf_path = resolve_gguf_path(model)
-        return dict(gguf_block_state_dict(gguf_path, gguf_model_config(open_gguf(gguf_path))))
+        return dict(gguf_block_state_dict(gguf_path, load_model_config(path)))
     # Quantizing from float32 keeps the rounding to the one step of the quantization.
     load_dtype = torch.float32 if quantization in ("int8", "int4") else dtype
     return dict(load_state_dict(path, load_dtype))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from llmtower.models.gguf_loader import gguf_model_config, open_gguf
+from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_weights import gguf_float_state_dict, gguf_source
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -63,8 +63,7 @@ def load_state_dict(path: str | Path, dtype: str | torch.dtype = torch.float32) 
     target = resolve_dtype(dtype)
     source = gguf_source(path)
     if source is not None:  # a GGUF's directory (gguf_cache): the weights are in the file
-        reader = open_gguf(source)
-        return gguf_float_state_dict(reader, gguf_model_config(reader), target)
+        return gguf_float_state_dict(source, ModelConfig.from_hf_config(path), target)
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
