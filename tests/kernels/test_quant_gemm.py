@@ -46,7 +46,7 @@ def test_dequantize_equals_gguf_reference_exactly(qtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("m", [1, 6])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_product_matches_float_product_of_dequantized(qtype, m, path):
     n, k = 40, 768
