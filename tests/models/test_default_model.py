@@ -1,6 +1,7 @@
-"""The default model: SmolLM2-135M-Instruct's GGUF converted once into a cached Hugging Face
-directory that transformers loads and that answers a question sensibly (which it only does if the
-dequantization and the q/k un-permutation are right)."""
+"""The default model: SmolLM2-135M-Instruct's GGUF described once as a cached Hugging Face
+directory (config and tokenizer; the weights read from the GGUF), whose weights, exported to a
+complete directory, transformers loads and answers a question sensibly with (which it only does
+if the dequantization and the q/k un-permutation are right)."""
 from __future__ import annotations
 
 import time
@@ -17,19 +18,19 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """The default model converted into a fresh cache (about 7 s on 2 cores, once per run)."""
+    """The default model's directory in a fresh cache (config and tokenizer, once per run)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
         start = time.perf_counter()
         path = resolve_model_path(None)
-        print(f"\nSmolLM2 GGUF -> HF directory conversion: {time.perf_counter() - start:.1f} s")
+        print(f"\nSmolLM2 GGUF -> cached directory: {time.perf_counter() - start:.1f} s")
         yield path
 
 
 def test_second_resolve_reuses_the_cache(smollm2, monkeypatch):
     def no_conversion(*args):
         raise AssertionError("converted again")
-    monkeypatch.setattr(gguf_cache, "convert_gguf_to_hf_dir", no_conversion)
+    monkeypatch.setattr(gguf_cache, "write_gguf_model_dir", no_conversion)
     assert resolve_model_path("smollm2-135m-instruct") == smollm2
     assert resolve_model_path("SmolLM2-135M-Instruct") == smollm2
     assert smollm2.name.startswith("smollm2-135m-instruct-")
@@ -65,11 +66,17 @@ def test_tokenizer(smollm2):
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_transformers_generates_a_sensible_answer(smollm2):
+def test_transformers_generates_a_sensible_answer(smollm2, tmp_path):
     from transformers import LlamaForCausalLM
 
+    from llmtower.models.gguf_convert import convert_gguf_to_hf_dir
+
     tok = load_tokenizer(smollm2)
-    model = LlamaForCausalLM.from_pretrained(str(smollm2), local_files_only=True, dtype=torch.float32).eval()
+    exported = tmp_path / "hf"
+    exported.mkdir()
+    convert_gguf_to_hf_dir(default_model.default_gguf_path(), exported)
+    assert "model.safetensors" not in {p.name for p in smollm2.iterdir()}
+    model = LlamaForCausalLM.from_pretrained(str(exported), local_files_only=True, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=10, do_sample=False)

@@ -224,3 +224,32 @@ def test_quantized_output_layer_gives_the_same_logits_alone_and_in_a_large_batch
     torch.testing.assert_close(together, alone, rtol=2 ** -7, atol=1e-5)
     assert (together == alone).float().mean() > 0.9
     assert torch.equal(together.argmax(-1), alone.argmax(-1))
+
+
+def test_gguf_blocks_stay_in_the_files_formats(q4_gguf):
+    """--quantization gguf: every matrix in its block format (q/k/v in one Q4_1 buffer, gate/up
+    in one Q4_0, the Q8_0 embeddings and output layer as they are), close to the float model of
+    the same file's dequantized tensors; the float path's tensors are gguf's values exactly."""
+    from llmtower.models.gguf_weights import gguf_block_state_dict, gguf_float_state_dict
+    from llmtower.models.quant_block import BlockEmbedding, BlockQuantLinear, GGUFMatrix
+    from llmtower.kernels import ops
+
+    if not ops.capabilities().can_run("quant_gemm"):
+        pytest.skip(ops.capabilities().why_not("quant_gemm"))
+    cfg = gguf_model_config(open_gguf(q4_gguf))
+    state = gguf_block_state_dict(q4_gguf, cfg)
+    assert isinstance(state["model.layers.0.self_attn.q_proj.weight"], GGUFMatrix)
+    model = LlamaForCausalLM(cfg, state, torch.float32, 256, quantization="gguf")
+    layer = model.layers[0]
+    assert isinstance(layer.qkv, BlockQuantLinear)
+    assert [p.fmt for p in layer.qkv.parts] == [int(Q.Q4_1)]  # one run: one buffer
+    assert isinstance(layer.gate_up, BlockQuantLinear) and layer.gate is None
+    assert [p.fmt for p in layer.gate_up.parts] == [int(Q.Q4_0)]
+    assert isinstance(model.embed, BlockEmbedding) and isinstance(model.lm_head, BlockQuantLinear)
+    fstate = gguf_float_state_dict(q4_gguf, cfg, torch.float32)
+    want = gguf_state_dict(open_gguf(q4_gguf), cfg)  # gguf's own decoders, q/k rows unpermuted
+    for name, t in want.items():
+        if name in fstate:
+            assert torch.equal(fstate[name], t), name
+    reference = LlamaForCausalLM(cfg, dict(fstate), torch.float32, 256)
+    _close_to_reference(_logits(model, IDS), _logits(reference, IDS))

@@ -11,6 +11,7 @@ from llmtower.core.sched.async_scheduler import AsyncScheduler
 from llmtower.core.sched.scheduler import Scheduler
 from llmtower.core.sched.degradation import check_host_memory
 from llmtower.executor.memory_bounds import working_memory_bytes
+from llmtower.executor.memory_plan import estimate_weight_bytes, make_plan, rss_bytes
 from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
@@ -22,6 +23,7 @@ from llmtower.executor.swap_space import swap_layout_for, swap_slot_bytes
 from llmtower.lora.serving_args import max_cpu_loras
 from llmtower.core.swap_layout import SwapLayout
 from llmtower.models.config import ModelConfig
+from llmtower.models.gguf_weights import gguf_source
 from llmtower.models.loader import load_model_config, resolve_model_path
 from llmtower.models.quant_loader import load_model_weights
 from llmtower.models.weights import resolve_dtype
@@ -47,9 +49,11 @@ def resolve_max_model_len(requested: int, config: ModelConfig) -> int:
     return requested
 
 
-def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype,
+                    weights: int = 0) -> tuple[int, int]:
     """(device KV blocks, CPU swap blocks) from --num-gpu-blocks / --kv-cache-memory and
-    --swap-space (swap space only under preemption_mode=swap)."""
+    --swap-space (swap space only under preemption_mode=swap); ``weights``: the model's
+    estimated bytes, planned with them (executor/memory_plan.py)."""
     # --kv-cache-dtype: a smaller element (and int8's scales) sizes more blocks.
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     per_block = bytes_per_block(config, args.block_size, kv_dtype)
@@ -73,10 +77,13 @@ def kv_cache_blocks(args: EngineArgs, config: ModelConfig, dtype: torch.dtype) -
         config.num_key_value_heads, config.head_dim, config.vocab_size,
         args.max_num_batched_tokens, args.max_num_seqs,
         args.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP, torch.empty((), dtype=dtype).element_size())
-    logger.info("memory plan: KV cache %.2f GiB, working memory %.0f MiB (one step's "
-                "activations, scores and logits; bounded oneDNN caches)",
-                num_blocks * per_block / 2**30, working / 2**20)
-    check_host_memory(num_blocks * per_block + working, num_cpu_blocks * slot_bytes)
+    plan = make_plan(weights, working, num_blocks * per_block, num_cpu_blocks * slot_bytes)
+    logger.info("memory plan: %s (working memory: one step's activations, scores and "
+                "logits; bounded oneDNN caches)", plan.describe())
+    if weights:
+        plan.check()
+    else:
+        check_host_memory(num_blocks * per_block + working, num_cpu_blocks * slot_bytes)
     return num_blocks, num_cpu_blocks
 
 
@@ -100,7 +107,8 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
     if refusal:
         raise ValueError(refusal)
     max_model_len = resolve_max_model_len(args.max_model_len, config)
-    num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype)
+    weights = estimate_weight_bytes(path, gguf_source(path), dtype, args.quantization)
+    num_blocks, num_cpu_blocks = kv_cache_blocks(args, config, dtype, weights)
     cache_config = args.create_cache_config(num_blocks, num_cpu_blocks,
                                             swap_layout(args, config, dtype))
     # Every layer windowed: a request keeps only its window's blocks (one global layer reads
@@ -114,6 +122,9 @@ def create_engine_core(args: EngineArgs) -> EngineCore:
                            adaptive_threads=0 if args.num_threads else args.threads,
                            cpu_bind=args.cpu_bind_cpus())
     del state_dict
+    rss, peak = rss_bytes()
+    logger.info("model loaded: RSS %.2f GiB (peak %.2f GiB; weights planned at %.2f GiB)",
+                rss / 2**30, peak / 2**30, weights / 2**30)
     if args.enable_lora:
         executor.enable_lora(args.max_loras, max_cpu_loras(args), args.max_lora_rank)
     if args.speculative is not None:

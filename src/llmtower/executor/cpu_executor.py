@@ -17,6 +17,7 @@ from llmtower.lora.request import LoRARequest
 from llmtower.models.config import ModelConfig
 from llmtower.models.registry import model_class
 from llmtower.models.quant import QuantizedTensor
+from llmtower.models.quant_block import GGUFMatrix
 
 
 class CPUExecutor:
@@ -25,7 +26,7 @@ class CPUExecutor:
     forward pass and sampling."""
 
     def __init__(self, model_config: ModelConfig,
-                 state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
+                 state_dict: Mapping[str, torch.Tensor | QuantizedTensor | GGUFMatrix],
                  cache_config: CacheConfig, dtype: torch.dtype, max_model_len: int,
                  seed: int = 0, attention_backend: str = "auto",
                  quantization: str = "none", adaptive_threads: int = 0,

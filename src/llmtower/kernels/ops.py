@@ -20,6 +20,7 @@ The kernels, by name:
     decode_layer_bf16  the fused bfloat16 decode layer (decode_layer.c; AVX512_BF16)
     decode_layer_f32   the fused float32 decode layer (decode_layer.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; AVX512_VNNI + BF16)
+    quant_gemm         products by GGUF block-quantized weights (quant_gemm.c; AVX512_VNNI)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma",
              "avx_vnni", "asimd")
 KERNELS = ("fused_ops", "paged_attention", "prefill_bf16", "prefill_f32", "gemv_bf16",
            "gemm_bf16", "gemm_f32", "decode_layer_bf16", "decode_layer_f32", "greedy_head",
-           "cpu_bind")
+           "quant_gemm", "cpu_bind")
 # The kernels that come in one variant per dtype: family -> {dtype: kernel}.
 BY_DTYPE = {
     "decode_layer": {torch.float32: "decode_layer_f32", torch.bfloat16: "decode_layer_bf16"},
@@ -85,6 +86,10 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "decode_layer_f32": ("decode_layer_fast", (0,), _NO_VEC),
     "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
                     "AVX512_BF16"),
+    # The portable code runs anywhere but slower than a float GEMM: GGUF block weights are
+    # dequantized to the model's dtype where the fast code is missing.
+    "quant_gemm": ("quant_gemm_fast", (), "this CPU (or compiler) lacks AVX512_VNNI: GGUF "
+                   "block weights are dequantized to the model's dtype"),
 }
 
 

@@ -24,8 +24,7 @@ from llmtower.models.layers.head import OutputHead
 from llmtower.models.layers.mlp import GatedMLP
 from llmtower.models.layers.norms import rms_norm
 from llmtower.models.layers.rotary import RotaryEmbedding
-from llmtower.models.layers.weights import WeightTaker
-from llmtower.models.quant import QuantizedTensor
+from llmtower.models.layers.weights import StateValue, WeightTaker
 
 Mlp = Callable[[torch.Tensor], torch.Tensor]  # a GatedMLP or a SparseMoE
 
@@ -65,7 +64,7 @@ class DecoderLM:
     qk_norm = ""
 
     def __init__(self, config: ModelConfig,
-                 state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
+                 state_dict: Mapping[str, StateValue],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
         if quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization={quantization!r} is not supported for "

@@ -1,6 +1,6 @@
-"""The on-disk cache of GGUF files converted to Hugging Face directories.
-
-Converting a GGUF takes seconds; loading the converted float32 safetensors takes about one. Each
+"""The on-disk cache of GGUF files described as Hugging Face directories: config, tokenizer and
+the GGUF's location (``gguf_convert.write_gguf_model_dir``; the weights are read from the GGUF
+itself). Rebuilding the tokenizer from the metadata takes about a second, so it is done once. Each
 GGUF gets ``$XDG_CACHE_HOME/llmtower/<name>-<key>/`` (default ``~/.cache/llmtower``), where the
 key hashes the GGUF's size and mtime and the converter version, so a changed file or converter
 gets a fresh directory. A directory is built under a temporary name and renamed into place, so a
@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from llmtower.models.gguf_convert import CONVERTER_VERSION, convert_gguf_to_hf_dir
+from llmtower.models.gguf_convert import CONVERTER_VERSION, write_gguf_model_dir
 from llmtower.utils import cache_root, cache_tmpdir
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,10 @@ def cached_hf_dir(gguf_path: str | Path, name: str | None = None) -> Path:
     root = final.parent
     tmp = cache_tmpdir(root, f".{final.name}.tmp-", "model")
     _remove_stale_tmp_dirs(root, final.name, keep=tmp)
-    logger.info("converting %s to %s (first use only)", gguf_path, final)
+    logger.info("reading the config and tokenizer of %s into %s (first use only)", gguf_path, final)
     start = time.perf_counter()
     try:
-        convert_gguf_to_hf_dir(gguf_path, tmp)
+        write_gguf_model_dir(gguf_path, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
         try:
             os.rename(tmp, final)

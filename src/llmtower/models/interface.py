@@ -10,7 +10,7 @@ import torch
 from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
-from llmtower.models.quant import QuantizedTensor
+from llmtower.models.layers.weights import StateValue
 
 
 class CausalLM(Protocol):
@@ -24,7 +24,7 @@ class CausalLM(Protocol):
     supports_lora: bool
 
     def __init__(self, config: ModelConfig,
-                 state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
+                 state_dict: Mapping[str, StateValue],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None: ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -32,9 +32,11 @@ from llmtower.models.config import ModelConfig
 from llmtower.models import linear as linear_mod
 from llmtower.models.layers.head import LM_HEAD_QUANTIZED_MAX_ROWS, OutputHead
 from llmtower.models.layers.norms import rms_norm
-from llmtower.models.layers.weights import Weight, WeightTaker, apply_linear, fuse, packed
+from llmtower.models.layers.weights import (StateValue, Weight, WeightTaker, apply_linear, embed,
+                                            fuse, packed)
 from llmtower.models.linear import PackedWeight, linear, prepack_gate_up, silu_mul
-from llmtower.models.quant import QuantizedLinear, QuantizedTensor
+from llmtower.models.quant import QuantizedLinear
+from llmtower.models.quant_block import BlockEmbedding, BlockQuantLinear
 from llmtower.models.layers.rotary import RotaryEmbedding
 
 # Names other modules import from here.
@@ -56,7 +58,7 @@ class DecoderLayerWeights:
     gate: torch.Tensor | PackedWeight | None
     up: torch.Tensor | PackedWeight | None
     down: Weight
-    gate_up: QuantizedLinear | None = None  # [2 * intermediate, hidden]: gate rows, then up
+    gate_up: QuantizedLinear | BlockQuantLinear | None = None  # [2 * intermediate, hidden]
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of queries (qk_norm)
     k_norm: torch.Tensor | None = None  # [D]: and of keys
 
@@ -67,7 +69,7 @@ class LlamaForCausalLM:
 
     supports_lora = True
 
-    def __init__(self, config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedTensor],
+    def __init__(self, config: ModelConfig, state_dict: Mapping[str, StateValue],
                  dtype: torch.dtype, max_position: int, quantization: str = "none") -> None:
         if quantization not in ("none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization={quantization!r} is not one of none, int8, int4, gguf")
@@ -82,7 +84,9 @@ class LlamaForCausalLM:
         self.eps = config.rms_norm_eps
         self.windows = config.layer_sliding_windows()  # per layer; None: global
         take = WeightTaker(state_dict, dtype, quantization if quantization in ("int8", "int4") else None)
-        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        # A GGUF's embeddings in a block format stay so (rows dequantized per lookup).
+        self.embed = take.embedding("model.embed_tokens.weight",
+                                    (config.vocab_size, config.hidden_size))
         self.layers = [self._load_layer(take, i) for i in range(config.num_hidden_layers)]
         self.norm = take("model.norm.weight", (config.hidden_size,))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
@@ -90,10 +94,11 @@ class LlamaForCausalLM:
                 raise ValueError("the checkpoint has no lm_head.weight but tie_word_embeddings is "
                                  "false: set tie_word_embeddings=true in config.json if the "
                                  "embeddings are shared")
-            self.lm_head: Weight = self.embed
+            self.lm_head: Weight = self.embed.linear if isinstance(self.embed, BlockEmbedding) \
+                else self.embed
         else:
-            self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        assert isinstance(self.lm_head, torch.Tensor)
+            self.lm_head = take.output("lm_head.weight", (config.vocab_size, config.hidden_size))
+        assert isinstance(self.lm_head, (torch.Tensor, BlockQuantLinear))
         self.head = OutputHead(self.lm_head, quantized=quantization != "none")
         # The head's layouts under the names the fused decode path and tests read.
         self.lm_head = self.head.weight
@@ -181,8 +186,11 @@ class LlamaForCausalLM:
             gate, up = prepack_gate_up(gate_w, up_w)
         else:
             fused = fuse([gate_w, up_w])
-            assert isinstance(fused, QuantizedLinear)
-            fused_gate_up = fused
+            if isinstance(fused, torch.Tensor):  # a GGUF part without a block kernel: float
+                gate, up = prepack_gate_up(*fused.split(c.intermediate_size))
+            else:
+                assert isinstance(fused, (QuantizedLinear, BlockQuantLinear))
+                fused_gate_up = fused
         return DecoderLayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=packed(fuse([q, k, v])), qkv_bias=qkv_bias,
@@ -210,7 +218,7 @@ class LlamaForCausalLM:
         if self.fused is not None and self.layers and kv_caches[0].dtype == self.dtype:
             return self._forward_fused(self.fused, input_ids, positions, kv_caches, attn, meta,
                                        logits_indices, head, lora)
-        h = F.embedding(input_ids, self.embed)
+        h = embed(self.embed, input_ids, self.dtype)
         cos, sin = self.rope.lookup(positions)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -245,7 +253,7 @@ class LlamaForCausalLM:
         # Only fresh prefills (SDPA over the chunk's own keys) read k beside the cache.
         want_k = any(p.num_computed == 0 for p in meta.prefills)
         cos, sin = self.rope.tables()
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = embed(self.embed, input_ids, self.dtype)  # the residual stream, updated in place
         last = len(self.layers) - 1
         # A decode step (no prefill) whose products take the decode-step kernel: layer i's
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call

@@ -3,7 +3,8 @@
 - ``none``: the float weights in the model's dtype (a GGUF is dequantized, as always).
 - ``int8`` / ``int4``: the float32 weights; the model quantizes its linear layers on load
   (int8 per output channel; int4 in groups of 32 with a scale and a minimum, as GGUF's Q4_1).
-- ``gguf``: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, kept quantized (``gguf_quant``).
+- ``gguf``: the GGUF file's own blocks, kept in their formats and read from the file by the
+  model (``gguf_weights.gguf_block_state_dict``, ``quant_block``).
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 import torch
 
 from llmtower.models.default_model import default_gguf_path, is_default_model_name
-from llmtower.models.gguf_loader import gguf_model_config, open_gguf
-from llmtower.models.gguf_quant import gguf_quantized_state_dict
-from llmtower.models.loader import load_state_dict
+from llmtower.models.gguf_weights import gguf_block_state_dict
+from llmtower.models.loader import load_model_config, load_state_dict
 from llmtower.models.quant import QUANTIZATION_METHODS, QuantizedTensor
+from llmtower.models.quant_block import GGUFMatrix
 
 
 def resolve_gguf_path(model: str | Path | None) -> Path:
@@ -31,14 +32,15 @@ def resolve_gguf_path(model: str | Path | None) -> Path:
 
 
 def load_model_weights(model: str | Path | None, path: Path, dtype: torch.dtype,
-                       quantization: str) -> dict[str, torch.Tensor | QuantizedTensor]:
+                       quantization: str
+                       ) -> dict[str, torch.Tensor | QuantizedTensor | GGUFMatrix]:
     """The state dict ``LlamaForCausalLM(..., quantization=quantization)`` expects."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={quantization!r} is not one of "
                          f"{', '.join(QUANTIZATION_METHODS)}")
     if quantization == "gguf":
-        reader = open_gguf(resolve_gguf_path(model))
-        return gguf_quantized_state_dict(reader, gguf_model_config(reader))
+        gguf_path = resolve_gguf_path(model)
+        return dict(gguf_block_state_dict(gguf_path, load_model_config(path)))
     # Quantizing from float32 keeps the rounding to the one step of the quantization.
     load_dtype = torch.float32 if quantization in ("int8", "int4") else dtype
     return dict(load_state_dict(path, load_dtype))

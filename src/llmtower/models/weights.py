@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from llmtower.models.config import ModelConfig
+from llmtower.models.gguf_weights import gguf_float_state_dict, gguf_source
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
@@ -58,6 +61,9 @@ def load_state_dict(path: str | Path, dtype: str | torch.dtype = torch.float32) 
     Tensors are read one at a time so peak memory stays near the size of the result.
     """
     target = resolve_dtype(dtype)
+    source = gguf_source(path)
+    if source is not None:  # a GGUF's directory (gguf_cache): the weights are in the file
+        return gguf_float_state_dict(source, ModelConfig.from_hf_config(path), target)
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:

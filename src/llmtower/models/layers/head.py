@@ -11,6 +11,7 @@ from llmtower.models import linear as linear_mod
 from llmtower.models.layers.weights import Weight, apply_linear, packed
 from llmtower.models.linear import PackedWeight, linear, prepack
 from llmtower.models.quant import QuantizedLinear, pack, quantize_int8
+from llmtower.models.quant_block import BlockQuantLinear
 
 # Most sampled rows for which the quantized output layer is used (see OutputHead.__init__).
 LM_HEAD_QUANTIZED_MAX_ROWS = 12
@@ -22,13 +23,16 @@ class OutputHead:
     (Gemma 2's ``final_logit_softcapping``) and ``divide_by`` (Granite's ``logits_scaling``)
     are applied to the float32 logits as transformers does."""
 
-    def __init__(self, plain: torch.Tensor, quantized: bool, softcap: float | None = None,
-                 divide_by: float = 1.0) -> None:
+    def __init__(self, plain: torch.Tensor | BlockQuantLinear, quantized: bool,
+                 softcap: float | None = None, divide_by: float = 1.0) -> None:
         self.softcap = softcap
         self.divide_by = divide_by
         self.dense: torch.Tensor | PackedWeight | None = None
         self.greedy: GreedyHead | None = None
         self.weight: Weight
+        if isinstance(plain, BlockQuantLinear):
+            self.weight = plain  # the GGUF's own output layer (Q6_K / Q8_0 typically), as it is
+            return
         if quantized:
             # The largest matrix, read whole every step: int8 per row (as llama.cpp keeps the
             # output layer at 8 bits or more); the embedding lookup keeps the float table.

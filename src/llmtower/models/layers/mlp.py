@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmtower.models.layers.weights import Weight, WeightTaker, apply_linear, fuse, packed
+from llmtower.models.layers.weights import StateValue, Weight, WeightTaker, apply_linear, fuse, packed
 from llmtower.models.linear import PackedWeight, prepack_gate_up, silu_mul
-from llmtower.models.quant import QuantizedTensor
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oss")
 # gpt-oss's swiglu_alpha and swiglu_limit defaults.
@@ -19,8 +18,8 @@ class GatedMLP:
     ``silu_mul`` (the activation runs inside the GEMM); the rest multiply one fused
     gate/up matrix and split it."""
 
-    def __init__(self, gate: torch.Tensor | QuantizedTensor, up: torch.Tensor | QuantizedTensor,
-                 down: torch.Tensor | QuantizedTensor, act: str,
+    def __init__(self, gate: StateValue, up: StateValue,
+                 down: StateValue, act: str,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                  alpha: float = OSS_ALPHA, limit: float = OSS_LIMIT) -> None:
         if act not in ACTIVATIONS:

@@ -1,0 +1,63 @@
+"""One offline run of llmtower on a GGUF file: N prompts of random token ids (seeded), each
+--input tokens long, --output tokens each (EOS ignored); prints one JSON line with the
+end-to-end output tok/s (prefill included, as llama-batched-bench's B x TG / T), the start-up
+time and the peak RSS of this process (VmHWM). benchmarks/gguf_vs_llamacpp.sh runs it once
+per cell, in a fresh process, so each peak is that run's own.
+
+  python benchmarks/gguf_offline.py --model F.gguf --num-prompts 16 --quantization gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-prompts", type=int, default=1)
+    ap.add_argument("--input", type=int, default=144)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--runs", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    from llmtower import LLM, SamplingParams
+    from llmtower.executor.memory_plan import rss_bytes
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype,
+              num_threads=args.threads, max_model_len=args.input + args.output + 16,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
+    start_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.engine_core.executor.runner.model.config.vocab_size
+    prompts = [torch.randint(100, vocab, (args.input,), generator=g).tolist()
+               for _ in range(args.num_prompts)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output, min_tokens=args.output,
+                        ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    best = 0.0
+    for _ in range(args.runs):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        best = max(best, n_out / dt)
+    _, peak = rss_bytes()
+    print(json.dumps({"tok_s": round(best, 2), "start_s": round(start_s, 2),
+                      "peak_rss_gb": round(peak / 1e9, 3), "file_gb": round(
+                          os.path.getsize(args.model) / 1e9, 3) if os.path.isfile(args.model) else None,
+                      "load": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()

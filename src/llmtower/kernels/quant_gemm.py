@@ -1,0 +1,145 @@
+"""Python side of the block-quantized products (``quant_gemm.c``): ``BlockWeight`` owns a
+matrix in one of GGUF's block formats (the file's bytes as they are) and multiplies float rows
+by it, or gives its exact float32 values.
+
+The activations of a call are quantized to int8 once (``quantize_activations``), so a caller
+with several matrices over the same rows (q, k and v of mixed formats) pays for it once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmtower.kernels.ops import kernel_library
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+# ggml type id -> name, for the formats the kernel reads.
+BLOCK_FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = kernel_library()
+    lib.quant_block_values.argtypes = lib.quant_block_bytes.argtypes = [_INT]
+    lib.quant_block_values.restype = lib.quant_block_bytes.restype = _I64
+    lib.quant_dequant.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]
+    lib.quant_dequant.restype = _INT
+    lib.quant_act.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P]
+    lib.quant_act.restype = None
+    lib.quant_gemm.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64,
+                               _INT, _INT]
+    lib.quant_gemm.restype = _INT
+    return lib
+
+
+def block_shape(fmt: int) -> tuple[int, int]:
+    """(values, bytes) of one block of ggml type ``fmt``; ValueError for other formats."""
+    lib = _lib()
+    values = int(lib.quant_block_values(fmt))
+    if values == 0:
+        raise ValueError(f"ggml type {fmt} has no block kernel (those: "
+                         f"{', '.join(BLOCK_FORMATS.values())})")
+    return values, int(lib.quant_block_bytes(fmt))
+
+
+@dataclass
+class QuantizedActivations:
+    """Owns rows x [M, K] quantized to int8 per 32 values, with their scales and sums: what
+    ``quant_gemm`` multiplies by."""
+
+    m: int
+    k: int
+    qa: torch.Tensor
+    da: torch.Tensor
+    fa: torch.Tensor
+    ns: torch.Tensor
+
+
+def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
+    """float rows [M, K] (K a multiple of 32) -> their int8 form."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"block-quantized products need K in multiples of 32, not {k}")
+    nb = k // 32
+    qa = torch.empty(m * k, dtype=torch.int8)
+    da = torch.empty(m * nb, dtype=torch.float32)
+    fa = torch.empty(m * nb, dtype=torch.float32)
+    ns = torch.empty(m * nb * 8, dtype=torch.int32)
+    _lib().quant_act(x.data_ptr(), m, k, x.stride(0), qa.data_ptr(), da.data_ptr(),
+                     fa.data_ptr(), ns.data_ptr())
+    return QuantizedActivations(m, k, qa, da, fa, ns)
+
+
+class BlockWeight:
+    """Owns one matrix [N, K] in ggml block format ``fmt``: ``data`` holds its rows' bytes
+    (uint8, N * row_bytes, any buffer that stays alive: a file mapping or our own copy).
+    ``path=1`` runs the portable C code (tests compare the two)."""
+
+    def __init__(self, fmt: int, data: torch.Tensor, n: int, k: int, path: int = 0) -> None:
+        values, nbytes = block_shape(fmt)
+        if k % values:
+            raise ValueError(f"a {BLOCK_FORMATS[fmt]} matrix needs K in multiples of {values}, "
+                             f"not {k}")
+        self.fmt, self.n, self.k, self.path = fmt, n, k, path
+        self.row_bytes = k // values * nbytes
+        if data.dtype != torch.uint8 or data.numel() != n * self.row_bytes \
+                or not data.is_contiguous():
+            raise ValueError(f"{BLOCK_FORMATS[fmt]} [{n}, {k}] takes {n * self.row_bytes} "
+                             f"contiguous bytes, not {data.numel()} {data.dtype}")
+        self.data = data
+        self._lib = _lib()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.row_bytes
+
+    def matmul_into(self, act: QuantizedActivations, out: torch.Tensor, threads: int) -> None:
+        """``out[:, :N] = x @ W.T`` in float32 (out: [M, >= N] float32, unit column stride)."""
+        if act.k != self.k:
+            raise ValueError(f"rows of {act.k} values cannot multiply a [{self.n}, {self.k}] "
+                             "matrix")
+        rc = self._lib.quant_gemm(self.fmt, self.data.data_ptr(), self.row_bytes, self.n, self.k,
+                                  act.m, act.qa.data_ptr(), act.da.data_ptr(), act.fa.data_ptr(),
+                                  act.ns.data_ptr(), out.data_ptr(), out.stride(0), threads,
+                                  self.path)
+        if rc:
+            raise RuntimeError(f"quant_gemm refused format {self.fmt} [{self.n}, {self.k}]")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 ``x @ W.T`` of rows x [M, K]."""
+        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        self.matmul_into(quantize_activations(x), out, torch.get_num_threads())
+        return out
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 values of the matrix (or of ``rows``, int64 indices), exactly as gguf's
+        reference dequantization gives them."""
+        idx = None if rows is None else rows.to(torch.int64).contiguous()
+        count = self.n if idx is None else int(idx.numel())
+        if idx is not None and count and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
+            raise IndexError(f"row index out of range for a matrix of {self.n} rows")
+        out = torch.empty(count, self.k, dtype=torch.float32)
+        rc = self._lib.quant_dequant(self.fmt, self.data.data_ptr(), self.row_bytes, count, self.k,
+                                     None if idx is None else idx.data_ptr(), out.data_ptr(),
+                                     torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"quant_dequant refused format {self.fmt}")
+        return out
+
+
+def from_numpy(fmt: int, data: np.ndarray, n: int, k: int, path: int = 0) -> BlockWeight:
+    """A ``BlockWeight`` over a numpy byte array (e.g. a gguf reader's view), without a copy."""
+    return BlockWeight(fmt, torch.from_numpy(np.ascontiguousarray(data).reshape(-1)), n, k, path)

@@ -1,0 +1,196 @@
+"""Linear layers whose weights stay in a GGUF file's block formats (``--quantization gguf``).
+
+A GGUF tensor reaches the model as a ``GGUFMatrix``: where its bytes lie in the file, not the
+bytes themselves. The model fuses q/k/v (and gate/up) by handing the parts to
+``block_linear``, which reads each run of same-format parts straight from the file into one
+buffer of its own, on huge pages where Linux gives them (``kernels/huge_pages.py``: decode
+streams every weight once per step). So a weight is held once, in the file's own format,
+and nothing is dequantized: ``kernels/quant_gemm.c`` multiplies by the blocks. The file is read
+with ordinary reads, not through a mapping, so its pages count once (in the page cache) and
+not again in this process.
+
+Parts in formats without a block kernel (Q5_0, Q5_1, Q2_K, Q3_K), or where the kernel's fast
+code is missing, are dequantized per tensor to the model's dtype and take the float path: one
+tensor at a time, never a float32 copy of the whole model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from llmtower.kernels import ops
+from llmtower.kernels.huge_pages import empty_streamed
+from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, quantize_activations
+from llmtower.models.gguf_dequant import dequantize
+from llmtower.models.linear import linear
+
+
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """Owns the location of one 2-D GGUF tensor [N, K] in block format ``fmt`` (a ggml type
+    id): ``offset`` bytes into ``path``, rows of ``row_bytes``; ``row_order``: the file's row
+    for each of ours (llama.cpp's q/k permutation undone), None for the identity."""
+
+    path: Path
+    offset: int
+    fmt: int
+    n: int
+    k: int
+    row_order: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def row_bytes(self) -> int:
+        values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.fmt)]
+        return self.k // values * nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.row_bytes
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.fmt).name
+
+    def read_into(self, out: np.ndarray) -> None:
+        """The tensor's bytes, rows in our order, into ``out`` (uint8, ``nbytes``)."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            if self.row_order is None:
+                if f.readinto(out.data) != self.nbytes:
+                    raise ValueError(f"{self.path} ends inside a tensor: the file is truncated")
+                return
+            raw = np.empty((self.n, self.row_bytes), dtype=np.uint8)
+            if f.readinto(raw.data) != self.nbytes:
+                raise ValueError(f"{self.path} ends inside a tensor: the file is truncated")
+        out.reshape(self.n, self.row_bytes)[:] = raw[self.row_order]
+
+    def weight(self) -> BlockWeight:
+        """The matrix read into a buffer of its own, for the block kernel."""
+        return _read_parts([self])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float matrix in ``dtype`` (gguf's reference values, rounded once to dtype):
+        the block kernel's exact decoder where the format has one, else gguf's."""
+        if self.fmt in BLOCK_FORMATS:
+            return self.weight().dequantize().to(dtype)
+        raw = np.empty(self.nbytes, dtype=np.uint8)
+        self.read_into(raw)
+        qtype = GGMLQuantizationType(self.fmt)
+        if qtype == GGMLQuantizationType.F32:
+            w = torch.from_numpy(raw.view(np.float32).reshape(self.n, self.k))
+        elif qtype == GGMLQuantizationType.F16:
+            w = torch.from_numpy(raw.view(np.float16).reshape(self.n, self.k))
+        else:
+            w = torch.from_numpy(dequantize(raw.reshape(self.n, self.row_bytes), qtype))
+        return w.to(dtype)
+
+
+def has_block_kernel(fmt: int) -> bool:
+    """Whether products by format ``fmt`` run on the block kernel here."""
+    return fmt in BLOCK_FORMATS and ops.capabilities().can_run("quant_gemm")
+
+
+def _read_parts(parts: list[GGUFMatrix]) -> BlockWeight:
+    """Same-format parts stacked along their rows, read into one buffer."""
+    first = parts[0]
+    total = sum(p.nbytes for p in parts)
+    buf = empty_streamed(total, torch.uint8)
+    view = buf.numpy()
+    at = 0
+    for p in parts:
+        p.read_into(view[at:at + p.nbytes])
+        at += p.nbytes
+    return BlockWeight(first.fmt, buf, sum(p.n for p in parts), first.k)
+
+
+class BlockQuantLinear:
+    """Owns one linear layer's weight [N, K] as block-format runs stacked along N (q, k, v of
+    different formats stay apart: ``parts``); ``__call__(x, bias)`` is ``x @ W.T + bias`` in
+    x's dtype, the activations quantized to int8 once for all parts."""
+
+    def __init__(self, parts: list[BlockWeight]) -> None:
+        ks = {p.k for p in parts}
+        if len(ks) != 1:
+            raise ValueError(f"fused matrices must share K, not {sorted(ks)}")
+        self.parts = parts
+        self.in_features = parts[0].k
+        self.out_features = sum(p.n for p in parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
+            return self._dequantized_product(x, bias)
+        act = quantize_activations(x)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        at = 0
+        for p in self.parts:
+            p.matmul_into(act, out[:, at:], threads)
+            at += p.n
+        if bias is not None:
+            out += bias
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Many rows (a prefill chunk): each part dequantized to bfloat16 for this call and
+        multiplied by oneDNN's GEMM (AMX / AVX512_BF16), which beats the int8 kernel once the
+        dequantization is shared by enough rows."""
+        xb = x.to(torch.bfloat16)
+        outs = [linear(xb, p.dequantize().to(torch.bfloat16)) for p in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out += bias
+        return out
+
+
+# Products of more rows than this dequantize the weight per call (BlockQuantLinear): CPU
+# time per 16384 x 2048 matrix (Q4_0, Q4_K) crossed over between 64 and 144 rows (kernel
+# 160-170 vs 245-300 ms at 64, 340-370 vs 250-270 at 144, measured under heavy load).
+BLOCK_KERNEL_MAX_ROWS = 96
+
+
+def block_linear(parts: list[GGUFMatrix]) -> BlockQuantLinear:
+    """One linear layer over ``parts`` stacked along their rows; runs of one format share a
+    buffer (all of q/k/v when the file stores them alike)."""
+    runs: list[list[GGUFMatrix]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return BlockQuantLinear([_read_parts(r) for r in runs])
+
+
+class BlockEmbedding:
+    """Owns the token embeddings as a block-format matrix [V, hidden]; a lookup dequantizes
+    only the rows asked for. ``linear`` is the same matrix as an output layer (tied
+    embeddings: one copy for both)."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        self.weight = weight
+        self.linear = BlockQuantLinear([weight])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.weight.dequantize(ids)
+        return rows if dtype == torch.float32 else rows.to(dtype)

@@ -1,0 +1,88 @@
+"""The block-quantized kernels (kernels/quant_gemm.c): dequantized weights equal gguf's reference
+dequantization exactly, and products equal the float product of those weights up to the int8
+rounding of the activations, on the fast and the portable code alike."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmtower.kernels import ops
+from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, block_shape, from_numpy
+
+Q = gguf.GGMLQuantizationType
+FORMATS = [Q(f) for f in BLOCK_FORMATS]
+# Offsets of the float16 fields inside one block (the rest are integers, any bytes valid).
+_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+           Q.Q6_K: (208,)}
+PATHS = [0, 1] if ops.capabilities().can_run("quant_gemm") else [1]
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row_bytes] uint8 of random valid blocks: random integers and scales of 1e-3 .. 1e-1
+    (signed where the format's scale is: Q4_1's and the K formats' minimums too)."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = block_shape(int(qtype))
+    nblocks = n * k // values
+    blocks = rng.integers(0, 256, (nblocks, nbytes), dtype=np.uint8)
+    for off in _HALVES[qtype]:
+        scale = (rng.uniform(1e-3, 1e-1, nblocks) * rng.choice([-1, 1], nblocks)).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(nblocks, 2)
+    return blocks.reshape(n, k // values * nbytes)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_dequantize_equals_gguf_reference_exactly(qtype):
+    n, k = 7, 512
+    data = random_blocks(qtype, n, k)
+    want = gguf.quants.dequantize(data, qtype)
+    w = from_numpy(int(qtype), data, n, k)
+    got = w.dequantize().numpy()
+    assert got.shape == want.shape == (n, k)
+    np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    rows = torch.tensor([6, 0, 3, 3])
+    np.testing.assert_array_equal(w.dequantize(rows).numpy(), want[[6, 0, 3, 3]])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_product_matches_float_product_of_dequantized(qtype, m, path):
+    n, k = 40, 768
+    data = random_blocks(qtype, n, k, seed=m)
+    w = from_numpy(int(qtype), data, n, k, path=path)
+    wf = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float64))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = w(x).double()
+    want = x.double() @ wf.T
+    # Each activation moves by at most half an int8 step of its block (max|x| / 254): bound the
+    # product's error by that times the weights' absolute sums, per block.
+    step = x.view(m, k // 32, 32).abs().amax(-1).double() / 254
+    bound = (step.repeat_interleave(32, dim=1) @ wf.abs().T) * 1.01 + 1e-4
+    assert ((got - want).abs() <= bound).all()
+    # And not just inside the bound: far closer than the weights' own size.
+    assert (got - want).abs().mean() < 0.05 * want.abs().mean()
+
+
+def test_fast_and_portable_agree():
+    if 0 not in PATHS or 1 not in PATHS:
+        pytest.skip("the fast code is not built here")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    for qtype in FORMATS:
+        data = random_blocks(qtype, 24, 512, seed=3)
+        a = from_numpy(int(qtype), data, 24, 512, path=0)(x)
+        b = from_numpy(int(qtype), data, 24, 512, path=1)(x)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="no block kernel"):
+        block_shape(int(Q.IQ2_XXS))
+    with pytest.raises(ValueError, match="multiples of 256"):
+        BlockWeight(int(Q.Q4_K), torch.zeros(144, dtype=torch.uint8), 1, 128)
+    w = from_numpy(int(Q.Q8_0), random_blocks(Q.Q8_0, 2, 64), 2, 64)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        w(torch.zeros(1, 96))
+    with pytest.raises(IndexError):
+        w.dequantize(torch.tensor([2]))
