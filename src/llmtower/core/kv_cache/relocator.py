@@ -32,14 +32,17 @@ Move = tuple[int, int]
 
 
 def table_fragmentation(tables: Iterable[Sequence[KVCacheBlock]]) -> float:
-    """Share of logically adjacent block pairs that are not physically adjacent: 0 when every
-    block table is one run of consecutive ids. Only pairs of blocks that belong to one request
-    alone count: a prefix block shared by several requests can sit next to only one of them."""
+    """Share of a table's consecutive private blocks (``ref_cnt == 1``, shared blocks between
+    them skipped) that are not physically adjacent: 0 when every table's private blocks are
+    one run of consecutive ids, which is what ``target_layout`` makes. A block shared by
+    several requests can sit next to only one of them, so it counts for none."""
     breaks = possible = 0
     for table in tables:
         prev = None
         for b in table:
-            if prev is not None and prev.ref_cnt == 1 and b.ref_cnt == 1:
+            if b.ref_cnt != 1:
+                continue
+            if prev is not None:
                 possible += 1
                 if b.block_id != prev.block_id + 1:
                     breaks += 1
@@ -69,24 +72,39 @@ class DefragResult(msgspec.Struct, kw_only=True):
 def target_layout(pool: BlockPool, tables: Sequence[Sequence[KVCacheBlock]]) -> list[int]:
     """``target[p]``: where the block now at physical id ``p`` should live.
 
-    Tables are packed from id 0 in the order of their first block's current id (a packed
-    layout stays put), each block at its first owner's place; cached free blocks keep their
-    place if it is past the packed region, else move to the first places there that hold an
-    unhashed free block; unhashed free blocks take what is left (they carry nothing).
+    Every table's private blocks (``ref_cnt == 1``) become one run, in table order. Tables
+    are packed from id 0 in the order of their lowest private block id; each one first
+    places the shared blocks no earlier table placed, then its private run, so a shared
+    prefix sits just before its first owner's private blocks. A shared block is never placed
+    *between* a table's private blocks: a prefix hit can share a table's middle (a request
+    swapped back in holds private copies of a prefix whose later blocks another request
+    hits), and placing it at its first owner's place would split that owner's run. The
+    order key makes the target its own fixed point (a packed layout stays put): private
+    runs keep their order, so the tables do. Shared blocks that only tables without private
+    blocks hold follow, in id order; cached free blocks keep their place if it is past the
+    packed region, else move to the first places there that hold an unhashed free block;
+    unhashed free blocks take what is left (they carry nothing).
     """
     n = pool.num_blocks
     blocks = pool.blocks
     target = [-1] * n
     taken = [False] * n
     nxt = 0
-    for table in sorted((t for t in tables if t), key=lambda t: t[0].block_id):
-        for b in table:
-            p = b.block_id
-            if target[p] < 0:
-                target[p] = nxt
-                taken[nxt] = True
-                nxt += 1
-    for p in range(n):  # in use but in no table given (should not happen): keep it packed
+    owners = []
+    for table in tables:
+        first_private = min((b.block_id for b in table if b.ref_cnt == 1), default=-1)
+        if first_private >= 0:
+            owners.append((first_private, table))
+    owners.sort(key=lambda o: o[0])  # private blocks belong to one table: keys are distinct
+    for _, table in owners:
+        for private in (False, True):
+            for b in table:
+                p = b.block_id
+                if (b.ref_cnt == 1) == private and target[p] < 0:
+                    target[p] = nxt
+                    taken[nxt] = True
+                    nxt += 1
+    for p in range(n):  # in use by tables without private blocks only, or by no table given
         if target[p] < 0 and blocks[p].ref_cnt > 0:
             target[p] = nxt
             taken[nxt] = True
