@@ -25,7 +25,10 @@ def generate(model_dir, *flags: str) -> subprocess.CompletedProcess:
 def test_kv_pool_and_swap_over_the_memory_limit_are_refused_at_start(tiny_llama_dir):
     done = generate(tiny_llama_dir, "--kv-cache-memory", "8GiB")
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "may take only" in done.stderr and "lower --kv-cache-memory" in done.stderr
+    # The memory plan (executor/memory_plan.py) refuses before anything is loaded, with the
+    # numbers and what to lower.
+    assert "does not fit in memory" in done.stderr and "KV cache 8.00 GiB" in done.stderr
+    assert "a smaller --kv-cache-memory" in done.stderr
     done = generate(tiny_llama_dir, "--kv-cache-memory", "64MiB", "--preemption-mode", "swap",
                     "--swap-space", "7GiB")
     assert done.returncode == 2 and "--swap-space" in done.stderr
