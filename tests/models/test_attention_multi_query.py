@@ -9,7 +9,9 @@ import torch
 
 from llmtower.kernels.kv_quant import quantize
 from llmtower.models.attention import (MAX_DECODE_QUERY_ROWS, AttentionMetadata, PagedAttention,
-                                       PrefillSeq, decode_batch, kernel_decode_mask)
+                                       decode_batch, kernel_decode_mask)
+
+from tests.models.attention_plans import add_prefills
 
 BS = 4
 H, HKV, D = 6, 2, 16
@@ -30,14 +32,7 @@ def plan(sched, start, tables, multi_query: bool) -> AttentionMetadata:
     d = np.flatnonzero(dec)
     meta.decodes = decode_batch(tables[d], end[d], BS, sched[d])
     row = int(sched[d].sum())
-    for i in np.flatnonzero(~dec):
-        s, e, q = int(start[i]), int(end[i]), int(sched[i])
-        p = PrefillSeq(row, q, s)
-        if s > 0:
-            p.block_ids = torch.from_numpy(tables[i, :-(-e // BS)].copy())
-            p.mask = torch.from_numpy(np.arange(e)[None, :] <= (s + np.arange(q))[:, None])
-        meta.prefills.append(p)
-        row += q
+    add_prefills(meta, tables, start, end, sched, np.flatnonzero(~dec), row, BS)
     return meta, order
 
 

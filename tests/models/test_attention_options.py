@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from llmtower.kernels.kv_quant import quantize
-from llmtower.models.attention import (AttentionMetadata, PagedAttention, PrefillSeq,
-                                       decode_batch, decode_groups, kernel_decode_mask)
+from llmtower.models.attention import (AttentionMetadata, PagedAttention, decode_batch,
+                                       decode_groups, kernel_decode_mask)
+
+from tests.models.attention_plans import add_prefills
 
 BS = 4
 H, HKV, D = 6, 2, 16
@@ -60,14 +62,7 @@ def _plan(tables, backend, dtype):
     else:
         meta.decode_groups = decode_groups(tables[d], end[d], BS, 64, dtype)
     row = int(sched[d].sum())
-    for i in np.flatnonzero(~dec):
-        s, e, q = int(start[i]), int(end[i]), int(sched[i])
-        p = PrefillSeq(row, q, s)
-        if s > 0:
-            p.block_ids = torch.from_numpy(tables[i, :-(-e // BS)].copy())
-            p.mask = torch.from_numpy(np.arange(e)[None, :] <= (s + np.arange(q))[:, None])
-        meta.prefills.append(p)
-        row += q
+    add_prefills(meta, tables, start, end, sched, np.flatnonzero(~dec), row, BS)
     return meta, order
 
 

@@ -50,7 +50,7 @@ def test_a_malformed_line_is_rejected_naming_its_line_and_field(tmp_path, line, 
     p = write(tmp_path, ok, ok, line)
     with pytest.raises(TraceError) as e:
         read_trace(p)
-    assert f"trace.jsonl:3:" in str(e.value) and repr(field) in str(e.value)
+    assert "trace.jsonl:3:" in str(e.value) and repr(field) in str(e.value)
 
 
 def test_invalid_json_and_empty_traces_are_clear_errors(tmp_path):
