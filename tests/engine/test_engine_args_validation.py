@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from llmtower.core.sampling_params import SamplingParams
-from llmtower.engine.args import EngineArgs, parse_swap_space, parse_tenant_weights
+from llmtower.engine.arg_values import parse_swap_space, parse_tenant_weights
+from llmtower.engine.args import EngineArgs
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
 

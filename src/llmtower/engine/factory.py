@@ -12,7 +12,8 @@ from llmtower.core.sched.scheduler import Scheduler
 from llmtower.core.sched.degradation import check_host_memory
 from llmtower.executor.memory_bounds import working_memory_bytes
 from llmtower.executor.memory_plan import estimate_weight_bytes, make_plan, rss_bytes
-from llmtower.engine.args import EngineArgs, parse_bytes, parse_swap_space
+from llmtower.engine.arg_values import parse_bytes, parse_swap_space
+from llmtower.engine.args import EngineArgs
 from llmtower.engine.core import EngineCore
 from llmtower.engine.model_info import ModelInfo
 from llmtower.executor.cpu_executor import CPUExecutor

@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from llmtower.engine.args import EngineArgs, parse_bytes
+from llmtower.engine.arg_values import parse_bytes
+from llmtower.engine.args import EngineArgs
 from llmtower.sim.cluster import Replica, make_load_balancer
 from llmtower.sim.cost_model import CostModel
 from llmtower.sim.metrics import SLO, MetricsCollector
