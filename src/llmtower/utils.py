@@ -1,10 +1,11 @@
 """Small helpers every part shares, kept out of any one part's package: ceiling division
-(block counts), the on-disk cache directory (converted GGUF models, built kernels) and what
+(block counts), reading a JSON config file, the on-disk cache directory (converted GGUF models, built kernels) and what
 /proc/cpuinfo says about this CPU (the kernels' build key and capabilities, what --dtype auto picks,
 the simulator's profile name)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -14,6 +15,18 @@ from pathlib import Path
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers (b > 0): e.g. the blocks that ``a`` tokens fill."""
     return -(-a // b)
+
+
+def read_json_object(file: Path) -> dict:
+    """The JSON object in ``file``; ValueError naming the file where it is not valid JSON or
+    not an object (a config file someone edited by hand)."""
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def cache_root() -> Path:

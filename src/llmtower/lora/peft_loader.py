@@ -2,7 +2,6 @@
 checks it against the base model; every refusal says what is wrong and what to change."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from llmtower.lora.adapter import MODULES, LoRAAdapter, LoRAModelShape
+from llmtower.utils import read_json_object
 
 
 class LoRAAdapterError(ValueError):
@@ -31,12 +31,9 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
         raise LoRAAdapterError(f"{str(path)!r} has no adapter_config.json: is it a PEFT LoRA "
                                "adapter folder (save_pretrained of a PeftModel)?")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise LoRAAdapterError(f"{cfg_file}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise LoRAAdapterError(f"{cfg_file}: expected a JSON object")
-    return cfg
+        return read_json_object(cfg_file)
+    except ValueError as e:
+        raise LoRAAdapterError(str(e)) from None
 
 
 def load_peft_adapter(path: str | Path, name: str, int_id: int, shape: LoRAModelShape,

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmtower.utils import read_json_object
 from llmtower.models.registry import (FAMILIES, architecture_of_model_type, check_architecture,
                                       supported_architectures)
 
@@ -130,10 +131,7 @@ class ModelConfig:
         if not file.is_file():
             raise FileNotFoundError(f"config.json not found in {file.parent}: a model directory needs "
                                     "config.json next to its *.safetensors weights")
-        try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        cfg = read_json_object(file)
         try:
             return cls._from_dict(cfg, file)
         except KeyError as e:
