@@ -37,6 +37,21 @@ class HTTPMetrics:
         self.duration_highr.observe(seconds)
 
 
+class StatusWatch:
+    """Owns the HTTP status an ASGI app answered with: an ASGI ``send`` that passes every
+    message on and notes the status of ``http.response.start``. ``status`` keeps ``default``
+    until the app answers (an app that fails first, or a client that left)."""
+
+    def __init__(self, send, default: int) -> None:
+        self.send = send
+        self.status = default
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class HTTPMetricsMiddleware:
     """ASGI middleware that times every HTTP request into ``HTTPMetrics``. Streaming
     responses are timed until their last chunk."""
@@ -49,18 +64,11 @@ class HTTPMetricsMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status = 500  # what the client sees if the app fails before it answers
-
-        async def recording_send(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        watch = StatusWatch(send, 500)  # 500: what the client sees if the app fails first
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, receive, watch)
         finally:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
-            self.metrics.observe(handler, scope.get("method", ""), status,
+            self.metrics.observe(handler, scope.get("method", ""), watch.status,
                                  time.perf_counter() - start)

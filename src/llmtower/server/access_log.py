@@ -13,6 +13,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from llmtower.metrics.http import StatusWatch
+
 logger = logging.getLogger("llmtower.access")
 
 
@@ -59,19 +61,12 @@ class AccessLogMiddleware:
         record = AccessRecord()
         token = _current.set(record)
         start = time.perf_counter()
-        status = 0
-
-        async def send_and_watch(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        watch = StatusWatch(send, 0)  # 0: logged as 499, the client left before an answer
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, watch)
         finally:
             _current.reset(token)
-            self._log(scope, status, time.perf_counter() - start, record)
+            self._log(scope, watch.status, time.perf_counter() - start, record)
 
     def _log(self, scope, status: int, seconds: float, record: AccessRecord) -> None:
         client = scope.get("client")
