@@ -106,6 +106,13 @@ class BlockWeight:
     def nbytes(self) -> int:
         return self.n * self.row_bytes
 
+    def rows(self, start: int, end: int) -> BlockWeight:
+        """Rows ``start:end`` of this matrix, over the same bytes (no copy)."""
+        if not 0 <= start <= end <= self.n:
+            raise IndexError(f"rows {start}:{end} of a matrix of {self.n} rows")
+        data = self.data[start * self.row_bytes:end * self.row_bytes]
+        return BlockWeight(self.fmt, data, end - start, self.k, self.path)
+
     def matmul_into(self, act: QuantizedActivations, out: torch.Tensor, threads: int) -> None:
         """``out[:, :N] = x @ W.T`` in float32 (out: [M, >= N] float32, unit column stride)."""
         if act.k != self.k:

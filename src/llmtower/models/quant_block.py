@@ -148,17 +148,28 @@ class BlockQuantLinear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Many rows (a prefill chunk): each part dequantized to bfloat16 for this call and
+        """Many rows (a prefill chunk): the weight dequantized to bfloat16 for this call and
         multiplied by oneDNN's GEMM (AMX / AVX512_BF16), which beats the int8 kernel once the
-        dequantization is shared by enough rows."""
+        dequantization is shared by enough rows. A slab of rows at a time, so the float copy
+        stays a few MiB: a whole 8B gate/up matrix would be 470 MB of float32 at every chunk,
+        the process's peak memory, and fresh pages to fault in each time."""
         xb = x.to(torch.bfloat16)
-        outs = [linear(xb, p.dequantize().to(torch.bfloat16)) for p in self.parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        out = out.to(x.dtype)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        step = max(64, DEQUANT_SLAB_BYTES // (4 * self.in_features))
+        at = 0
+        for p in self.parts:
+            for start in range(0, p.n, step):
+                end = min(start + step, p.n)
+                w = p.rows(start, end).dequantize().to(torch.bfloat16)
+                out[:, at + start:at + end] = linear(xb, w)
+            at += p.n
         if bias is not None:
             out += bias
         return out
 
+
+# The float32 slab of a weight dequantized at once for a prefill product (BlockQuantLinear).
+DEQUANT_SLAB_BYTES = 8 * 2**20
 
 # Products of more rows than this dequantize the weight per call (BlockQuantLinear): CPU
 # time per 16384 x 2048 matrix (Q4_0, Q4_K) crossed over between 64 and 144 rows (kernel

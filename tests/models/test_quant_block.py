@@ -1,0 +1,56 @@
+"""BlockQuantLinear's many-row product (a prefill chunk): the weight dequantized a slab of rows
+at a time gives the product of the whole dequantized weight, across parts of different block
+formats, without a float copy of the whole weight."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from llmtower.kernels import ops
+from llmtower.kernels.quant_gemm import from_numpy
+from llmtower.models import quant_block
+from llmtower.models.linear import linear
+from llmtower.models.quant_block import BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear
+from tests.kernels.test_quant_gemm import random_blocks
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
+    if not ops.capabilities().can_run("quant_gemm"):
+        pytest.skip(ops.capabilities().why_not("quant_gemm"))
+    k = 256
+    parts = [from_numpy(int(Q.Q4_0), random_blocks(Q.Q4_0, 200, k, seed=1), 200, k),
+             from_numpy(int(Q.Q6_K), random_blocks(Q.Q6_K, 72, k, seed=2), 72, k)]
+    layer = BlockQuantLinear(parts)
+    x = torch.randn(BLOCK_KERNEL_MAX_ROWS + 9, k, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(layer.out_features)
+    whole = torch.cat([p.dequantize() for p in parts]).to(torch.bfloat16)
+    want = linear(x.to(torch.bfloat16), whole).float() + bias
+
+    slabs: list[int] = []
+    real_rows = type(parts[0]).rows
+
+    def counted_rows(self, start, end):
+        slabs.append(end - start)
+        return real_rows(self, start, end)
+
+    monkeypatch.setattr(type(parts[0]), "rows", counted_rows)
+    monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 64 * 4 * k)  # 64 rows a slab
+    got = layer(x, bias)
+    assert slabs == [64, 64, 64, 8, 64, 8]  # never more than a slab's rows dequantized at once
+    assert got.shape == (x.shape[0], 272) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bfloat16 products' rounding
+    # the slab boundaries are invisible: every column equals a one-slab product's
+    monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 10**9)
+    torch.testing.assert_close(layer(x, bias), got, rtol=1e-2, atol=1e-2)
+
+
+def test_a_slab_is_a_view_of_the_rows():
+    data = random_blocks(Q.Q8_0, 10, 64, seed=3)
+    w = from_numpy(int(Q.Q8_0), data, 10, 64)
+    assert torch.equal(w.rows(3, 7).dequantize(), w.dequantize()[3:7])
+    assert w.rows(3, 7).data.data_ptr() == w.data.data_ptr() + 3 * w.row_bytes
+    with pytest.raises(IndexError):
+        w.rows(5, 11)
