@@ -38,8 +38,9 @@ class ModelConfig:
 
     ``num_key_value_heads=0`` means "as many as attention heads" (no GQA) and ``head_dim=0`` means
     ``hidden_size // num_attention_heads``; both are filled in on construction.
-    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` "llama3" and its
-    ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``.
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` (llama3, linear,
+    dynamic, yarn, or longrope with one set of per-frequency factors) and its parameters
+    (``models/layers/rotary.py`` applies them).
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2). Whether o_proj has
     one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
     follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.

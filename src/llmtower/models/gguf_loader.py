@@ -15,7 +15,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_dequant import dequantize
-from llmtower.models.gguf_rope import CONFIG_TENSORS, gguf_rope_scaling
+from llmtower.models.gguf_rope import CONFIG_TENSORS, gguf_rope_scaling, shortest_float
 
 
 # GGUF general.architecture -> its Hugging Face architecture, and whether llama.cpp's converter
@@ -109,11 +109,6 @@ def _gguf_arch(reader: GGUFReader) -> tuple[str, dict[str, Any]]:
     return arch, _ARCHITECTURES[arch]
 
 
-def _shortest_float(value: float) -> float:
-    # GGUF stores float32: give back 1e-05, not 9.999999747378752e-06, as config.json had it.
-    return float(str(np.float32(value)))
-
-
 def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     """A ModelConfig from the GGUF metadata (``<arch>.*`` and ``tokenizer.ggml.*`` keys)."""
     arch, info = _gguf_arch(reader)
@@ -139,8 +134,8 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=field_value(reader, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=_shortest_float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_shortest_float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=shortest_float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=shortest_float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensor_names,

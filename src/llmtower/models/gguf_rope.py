@@ -32,7 +32,7 @@ CONFIG_TENSORS = frozenset({ROPE_FREQS})
 _PHI3_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _shortest(value: float) -> float:
+def shortest_float(value: float) -> float:
     # GGUF stores float32: give back 1.5, not 1.5000000596046448, as config.json had it.
     return float(str(np.float32(value)))
 
@@ -41,7 +41,7 @@ def _rope_freqs(reader: GGUFReader) -> list[float] | None:
     t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if t is None:
         return None
-    return [_shortest(f) for f in dequantize(t.data, t.tensor_type).reshape(-1).tolist()]
+    return [shortest_float(f) for f in dequantize(t.data, t.tensor_type).reshape(-1).tolist()]
 
 
 def gguf_rope_scaling(reader: GGUFReader, field: Callable[[str, Any], Any], arch: str,
@@ -79,7 +79,7 @@ def gguf_rope_scaling(reader: GGUFReader, field: Callable[[str, Any], Any], arch
                 "factor": 1.0, "attention_factor": 1.0,
                 "original_max_position_embeddings": context_length}
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _shortest(factor)}
+        return {"rope_type": "linear", "factor": shortest_float(factor)}
     if kind == "yarn":
         return _yarn(arch, key, factor, context_length)
     raise ValueError(f"{arch}.rope.scaling.type={kind!r} is not supported: llmtower reads none, "
@@ -97,12 +97,12 @@ def _yarn(arch: str, key: Callable[..., Any], factor: float | None, context_leng
     if log_mul:
         raise ValueError(f"{arch}.rope.scaling.yarn_log_multiplier={log_mul} (DeepSeek's "
                          "mscale_all_dim) is not supported")
-    out: dict[str, Any] = {"rope_type": "yarn", "factor": _shortest(factor),
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": shortest_float(factor),
                            "original_max_position_embeddings":
                                int(key("scaling.original_context_length", context_length))}
     for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
                              ("yarn_attn_factor", "attention_factor")):
         value = key(f"scaling.{gguf_key}", None)
         if value is not None:
-            out[hf_key] = _shortest(value)
+            out[hf_key] = shortest_float(value)
     return out
