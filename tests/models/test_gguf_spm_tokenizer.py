@@ -13,7 +13,9 @@ from llmtower.models.gguf_spm_tokenizer import BYTE, CONTROL, NORMAL, spm_merges
 from llmtower.models.gguf_tokenizer import gguf_tokenizer
 from llmtower.models.loader import load_tokenizer, resolve_model_path
 from tests.executor.exactness_helpers import add_greedy, hf_greedy, make_engine, run_all
-from tests.fixtures.spm_vocab import SPM_VOCAB_SIZE, write_llama_hf_vocab, write_spm_tokenizer
+from tests.fixtures.spm_vocab import (SPM_VOCAB_SIZE, llama_hf_vocab, sentencepiece_encode,
+                                      sentencepiece_scores, write_llama_hf_vocab,
+                                      write_sentencepiece_vocab, write_spm_tokenizer)
 from tests.fixtures.tiny_gguf import write_gguf_from_hf_dir
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
@@ -70,6 +72,20 @@ def test_greedy_tokens_follow_transformers(spm_model):
     add_greedy(core, prompts, 6)
     out = run_all(core)
     assert [out[str(i)] for i in range(len(prompts))] == hf_greedy(hf_dir, prompts, 6)
+
+
+def test_sentencepiece_scores_tokenize_as_sentencepiece(spm_model, tmp_path):
+    """The vocabulary as ``_set_vocab_sentencepiece`` writes a tokenizer.model's (its own
+    scores, one early piece scored to merge last as Llama 2's "▁▁" is): encoded as
+    SentencePiece's BPE does (leading and repeated spaces, byte fallback included)."""
+    hf_dir = spm_model[0]
+    path = write_gguf_from_hf_dir(hf_dir, tmp_path / "sp.gguf", vocab=write_sentencepiece_vocab)
+    tok, _ = gguf_tokenizer(open_gguf(path))
+    tokens, types = llama_hf_vocab(hf_dir)
+    scores = sentencepiece_scores(tokens, types)
+    for text in [t for t in TEXTS if "<" not in t]:
+        want = sentencepiece_encode(tokens, scores, types, text)
+        assert tok.encode(text, add_special_tokens=False).ids == want, text
 
 
 def test_merges_follow_scores_then_vocabulary_order():
