@@ -33,7 +33,7 @@ _PHI3_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def shortest_float(value: float) -> float:
-    # GGUF stores float32: give back 1.5, not 1.5000000596046448, as config.json had it.
+    # GGUF stores float32: give back 1.1, not 1.100000023841858, as config.json had it.
     return float(str(np.float32(value)))
 
 
