@@ -67,7 +67,7 @@ def test_llama3_rope_scaling_from_fixture(tmp_path_factory, tiny_tokenizer_dir):
 def test_unsupported_rope_type(tmp_path):
     with pytest.raises(ValueError, match="'longrope' is not supported.*default, llama3, linear"):
         ModelConfig.from_hf_config(write_config(tmp_path, rope_scaling={
-            "type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}))
+            "type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}))
 
 
 def test_incomplete_llama3_rope(tmp_path):

@@ -321,7 +321,7 @@ def _llama_config_json() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("rope", [
-    {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+    {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},  # Phi-3 128k's kind
     {"type": "su", "factor": 2.0},
 ])
 def test_unsupported_rope_scaling_is_refused_by_name(tmp_path, rope):

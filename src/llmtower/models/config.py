@@ -6,6 +6,7 @@ Everything the model code needs and nothing else. Both the legacy config.json la
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from llmtower.models.registry import (FAMILIES, architecture_of_model_type, chec
                                       supported_architectures)
 
 SUPPORTED_ARCHITECTURES = supported_architectures()
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 # The MLP activations of the supported families (Gemma's GeGLU: gelu_pytorch_tanh).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Each scaled rope type's required parameters.
@@ -24,6 +25,9 @@ _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "yarn": ("factor", "original_max_position_embeddings"),
+    # One set of per-frequency factors (short_factor == long_factor): what a GGUF's rope_freqs
+    # tensor holds (Llama 3.1+ converted by llama.cpp), in the form transformers reads.
+    "longrope": ("short_factor", "long_factor"),
 }
 
 
@@ -34,8 +38,9 @@ class ModelConfig:
 
     ``num_key_value_heads=0`` means "as many as attention heads" (no GQA) and ``head_dim=0`` means
     ``hidden_size // num_attention_heads``; both are filled in on construction.
-    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` "llama3" and its
-    ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``.
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` (llama3, linear,
+    dynamic, yarn, or longrope with one set of per-frequency factors) and its parameters
+    (``models/layers/rotary.py`` applies them).
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2). Whether o_proj has
     one too differs by family (Llama with attention_bias: yes; Qwen2: no), so the model should
     follow the weights: o_proj has a bias exactly when ``...self_attn.o_proj.bias`` is present.
@@ -289,6 +294,8 @@ def _check_rope_scaling(scaling: dict[str, Any] | None,
         k for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta") and v is not None)
     out: dict[str, Any] = {"rope_type": rope_type}
     out.update({k: scaling[k] for k in keep})
+    if rope_type == "longrope":
+        return _longrope(out, max_position_embeddings)
     out["factor"] = float(scaling["factor"])
     if "original_max_position_embeddings" in out:
         out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
@@ -298,6 +305,27 @@ def _check_rope_scaling(scaling: dict[str, Any] | None,
     if rope_type == "dynamic":  # NTK grows the base past the trained length
         out["max_position_embeddings"] = max_position_embeddings
     return out
+
+
+def _longrope(s: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """LongRoPE with one set of per-frequency factors, and its attention factor as transformers
+    derives it. Phi-3's distinct short and long factors (switched on the sequence's length, which
+    a paged cache whose keys were rotated earlier cannot follow) are refused."""
+    short = [float(f) for f in s["short_factor"]]
+    if short != [float(f) for f in s["long_factor"]]:
+        raise ValueError("rope scaling type 'longrope' is not supported with different short_factor "
+                         "and long_factor (Phi-3 128k): llmtower supports "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}, longrope with short_factor == "
+                         "long_factor only")
+    s["short_factor"] = s["long_factor"] = short
+    original = int(s.get("original_max_position_embeddings") or max_position_embeddings)
+    if s.get("attention_factor") is None:
+        factor = s.get("factor") or max_position_embeddings / original
+        s["attention_factor"] = (1.0 if factor <= 1.0
+                                 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    s["attention_factor"] = float(s["attention_factor"])
+    s["original_max_position_embeddings"] = original
+    return s
 
 
 def _eos_ids(cfg: dict[str, Any], generation_config: Path) -> list[int]:

@@ -27,7 +27,9 @@ from llmtower.models.gguf_tokenizer import write_gguf_tokenizer
 
 # Bump when the output of the conversion changes, so cached directories are rebuilt.
 # 2: weights read from the GGUF itself (gguf_source.json), no model.safetensors.
-CONVERTER_VERSION = 2
+# 3: RoPE scaling read from the GGUF (a directory cached before took a bare
+#    rope.scaling.factor for plain RoPE); SentencePiece vocabularies.
+CONVERTER_VERSION = 3
 
 
 def write_gguf_model_dir(gguf_path: str | Path, out_dir: str | Path) -> None:

@@ -15,6 +15,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_dequant import dequantize
+from llmtower.models.gguf_rope import CONFIG_TENSORS, gguf_rope_scaling, shortest_float
 
 
 # GGUF general.architecture -> its Hugging Face architecture, and whether llama.cpp's converter
@@ -108,18 +109,10 @@ def _gguf_arch(reader: GGUFReader) -> tuple[str, dict[str, Any]]:
     return arch, _ARCHITECTURES[arch]
 
 
-def _shortest_float(value: float) -> float:
-    # GGUF stores float32: give back 1e-05, not 9.999999747378752e-06, as config.json had it.
-    return float(str(np.float32(value)))
-
-
 def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     """A ModelConfig from the GGUF metadata (``<arch>.*`` and ``tokenizer.ggml.*`` keys)."""
     arch, info = _gguf_arch(reader)
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names or field_value(reader, f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError("this GGUF uses scaled RoPE (rope_freqs / rope.scaling), which llmtower does "
-                         "not read from GGUF: use the model's Hugging Face directory instead")
     heads = field_value(reader, f"{arch}.attention.head_count")
     hidden = field_value(reader, f"{arch}.embedding_length")
     head_dim = field_value(reader, f"{arch}.attention.key_length", hidden // heads)
@@ -127,6 +120,9 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     if rot_dim != head_dim:
         raise ValueError(f"partial rotary embeddings (rope.dimension_count={rot_dim} < head_dim={head_dim}) "
                          "are not supported")
+    context_length = field_value(reader, f"{arch}.context_length")
+    rope_scaling = gguf_rope_scaling(reader, lambda key, default: field_value(reader, key, default),
+                                     arch, context_length)
     eos = [field_value(reader, "tokenizer.ggml.eos_token_id", None)]
     eos.append(field_value(reader, "tokenizer.ggml.eot_token_id", None))
     return ModelConfig(
@@ -138,10 +134,10 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=field_value(reader, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=_shortest_float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_shortest_float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=None,
-        max_position_embeddings=field_value(reader, f"{arch}.context_length"),
+        rms_norm_eps=shortest_float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=shortest_float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=info["attention_bias"],
         hidden_act="silu",
@@ -155,6 +151,8 @@ def gguf_state_dict(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.
     _, info = _gguf_arch(reader)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in CONFIG_TENSORS:
+            continue
         name = hf_tensor_name(t.name)
         w = dequantize(t.data, t.tensor_type)
         if info["permuted_qk"] and ".self_attn.q_proj." in name:

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_dequant import _blocks, dequantize
 from llmtower.models.gguf_loader import _gguf_arch, hf_tensor_name, unpermute_qk
+from llmtower.models.gguf_rope import CONFIG_TENSORS
 from llmtower.models.quant import INT4_GROUP, QuantizedTensor, quantize_int8
 
 _Q = GGMLQuantizationType
@@ -62,6 +63,8 @@ def gguf_quantized_state_dict(reader: GGUFReader, config: ModelConfig
     _, info = _gguf_arch(reader)
     state: dict[str, torch.Tensor | QuantizedTensor] = {}
     for t in reader.tensors:
+        if t.name in CONFIG_TENSORS:
+            continue
         name = hf_tensor_name(t.name)
         heads = None
         if info["permuted_qk"] and ".self_attn.q_proj." in name:

@@ -26,6 +26,7 @@ from llmtower.models.config import ModelConfig
 from llmtower.models.gguf_dequant import dequantize
 from llmtower.models.gguf_index import TensorInfo, read_tensor_index, tensor_data
 from llmtower.models.gguf_loader import _ARCHITECTURES, hf_tensor_name, unpermute_qk
+from llmtower.models.gguf_rope import CONFIG_TENSORS
 from llmtower.models.quant_block import GGUFMatrix
 
 _Q = GGMLQuantizationType
@@ -103,6 +104,8 @@ def gguf_float_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype
     state: dict[str, torch.Tensor] = {}
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for t in read_tensor_index(path):
+        if t.name in CONFIG_TENSORS:  # read into the config (gguf_rope)
+            continue
         name = hf_tensor_name(t.name)
         w = _float32(mm, t)
         heads = _heads(name, config, permuted)
@@ -123,6 +126,8 @@ def gguf_block_state_dict(path: Path, config: ModelConfig
     state: dict[str, torch.Tensor | GGUFMatrix] = {}
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for t in read_tensor_index(path):
+        if t.name in CONFIG_TENSORS:  # read into the config (gguf_rope)
+            continue
         name = hf_tensor_name(t.name)
         heads = _heads(name, config, permuted)
         if len(t.shape) == 2 and t.qtype not in _FLOAT_TYPES:

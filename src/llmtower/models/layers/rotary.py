@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE): plain, and the scaled variants of long-context models
-(``rope_type`` llama3, linear, dynamic, yarn).
+(``rope_type`` llama3, linear, dynamic, yarn, and longrope with one set of explicit
+per-frequency factors: what a GGUF's ``rope_freqs`` tensor holds).
 
 The cos/sin tables are computed once for every position up to ``max_position`` with exactly the
 float32 formulas of Hugging Face transformers (``position * inv_freq``, then ``cos``/``sin``), so
@@ -8,11 +9,12 @@ a token's rotation does not depend on the step or the batch it is computed in.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -37,8 +39,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return _dynamic_ntk(head_dim, theta, scaling, max_position), 1.0
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling)
+    if rope_type == "longrope":
+        return (divide_frequencies(inv_freq, scaling["short_factor"]),
+                float(scaling.get("attention_factor", 1.0)))
     raise ValueError(f"rope scaling type {rope_type!r} is not supported: use one of "
                      f"{', '.join(ROPE_TYPES)}")
+
+
+def divide_frequencies(inv_freq: torch.Tensor, factors: Sequence[float]) -> torch.Tensor:
+    """Each inverse frequency divided by its own factor (one per rotary pair, as llama.cpp's
+    ``rope_freqs`` and LongRoPE's factors give them). Dividing the plain frequencies (where
+    transformers' longrope computes ``1 / (factor * base ** x)``) gives, for the frequencies
+    llama3 keeps or divides by its whole ``factor``, bit for bit the Llama 3 original's values;
+    the blended band is within a float32 rounding."""
+    f = torch.as_tensor(factors, dtype=torch.float32)
+    if f.shape != inv_freq.shape:
+        raise ValueError(f"rope scaling has {f.numel()} per-frequency factors but the head "
+                         f"has {inv_freq.numel()} rotary frequencies (head_dim / 2)")
+    if not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
+        raise ValueError("rope scaling's per-frequency factors must be finite and positive")
+    return inv_freq / f
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
