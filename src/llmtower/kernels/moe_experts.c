@@ -1,0 +1,176 @@
+/* A mixture-of-experts layer's routed experts for a decode step's few tokens, in one call:
+ * for each token, its k chosen experts' gate/up products with the SwiGLU activation, their down
+ * products, each weighted by its router weight and summed.
+ *
+ *   moe_experts_bf16  bfloat16 weights in the few-row tiles of gemv_bf16.c (gate/up as a silu
+ *                     pair: 32 gate rows then the 32 matching up rows per tile)
+ *   moe_experts_f32   float32 weights in the panels of gemm_f32.c (gate/up as a silu pair)
+ *
+ * The experts' packed matrices are not copied: the caller passes two tables of addresses
+ * (gate_up[e], down[e] for expert e), the ones the per-expert products already read, so the
+ * layer's weights exist once. Why one call: a one-token step otherwise makes 2k kernel calls
+ * and ~4k tensor ops from Python per layer, for k matrices that each take microseconds to
+ * stream; here the k experts' tiles are shared out to the threads together (one barrier
+ * between the gate/up and the down phase), and the weighted sum is done in C.
+ *
+ * The arithmetic is the per-expert path's (models/layers/moe.py: silu_mul, then down, then
+ * y * w added to a zeroed output in ascending expert order), rounding for rounding:
+ *   bfloat16: h = bf16(bf16(silu(g)) * u); y = bf16(h @ down.T); p = bf16(y * bf16(w));
+ *             out = bf16(out + p), out starting at +0.
+ *   float32:  the same sums (one accumulator per output, k order); y * w and out + that as
+ *             two float32 roundings (never fused: contraction is turned off below).
+ * So a step gives the tokens the per-expert path gives them, bit for bit
+ * (tests/kernels/test_moe_experts.py).
+ *
+ * Each token's experts are sorted here (k is small). An expert id outside [0, num_experts) or
+ * k outside [1, MOE_MAX_K] returns 2 before anything runs (the caller raises).
+ */
+#include <stdint.h>
+#include "bf16.h"
+#include "gemv_bf16_tiles.h"
+#include "gemm_f32_panels.h"
+#include "threads.h"
+
+#pragma STDC FP_CONTRACT OFF
+
+#define MOE_MAX_K 64
+
+int moe_experts_fast(int bf16) { return bf16 ? HAVE_FAST : F32_FAST; }
+
+/* Token t's choices in ascending expert order: order[j] = index into ids/weights. */
+static void moe_sorted(const int64_t *ids, int64_t k, int *order) {
+    for (int j = 0; j < k; j++) {
+        int i = j;
+        while (i > 0 && ids[order[i - 1]] > ids[j]) {
+            order[i] = order[i - 1];
+            i--;
+        }
+        order[i] = j;
+    }
+}
+
+static int moe_check(const int64_t *ids, int64_t tokens, int64_t k, int64_t num_experts) {
+    if (k < 1 || k > MOE_MAX_K || tokens < 0) return 2;
+    for (int64_t i = 0; i < tokens * k; i++)
+        if (ids[i] < 0 || ids[i] >= num_experts) return 2;
+    return 0;
+}
+
+/* x [tokens, hidden] (row stride ldx); ids [tokens, k]; weights float32 [tokens, k];
+ * h scratch [k, inter]; out [tokens, hidden]. */
+int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t ldx, const int64_t *gate_up,
+                     const int64_t *down, int64_t num_experts, const int64_t *ids,
+                     const float *weights, int64_t k, int64_t hidden, int64_t inter,
+                     uint16_t *h, uint16_t *out, int num_threads, int path) {
+    if (hidden <= 0 || inter <= 0) return 1;
+    if (moe_check(ids, tokens, k, num_experts)) return 2;
+    const int fast = HAVE_FAST && path == 0;
+    const int64_t half = TILE / 2, gu_tiles = (inter + half - 1) / half;
+    const int64_t d_tiles = (hidden + TILE - 1) / TILE;
+    const int64_t gu_numel = ((hidden + 1) / 2) * TILE * 2, d_numel = ((inter + 1) / 2) * TILE * 2;
+    const int64_t units = k * gu_tiles > d_tiles ? k * gu_tiles : d_tiles;
+    const int nt = kernel_threads(num_threads, units);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int order[MOE_MAX_K];
+        float acc[TILE];
+        uint16_t y[TILE];
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t *id = ids + t * k;
+            const float *w = weights + t * k;
+            moe_sorted(id, k, order);
+            const uint16_t *xt = x + t * ldx;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < k * gu_tiles; u++) {
+                const int64_t j = u / gu_tiles, tile = u % gu_tiles;
+                const uint16_t *wp = (const uint16_t *)(intptr_t)gate_up[id[order[j]]];
+                const int ncols = (int)(inter - tile * half < half ? inter - tile * half : half);
+                tile_sums(xt, ldx, 1, wp + tile * gu_numel, hidden, acc, fast);
+                bf16_tile_store(acc, 1, h + j * inter + tile * half, inter, ncols, NULL, 1);
+            }
+            uint16_t *o = out + t * hidden;
+#pragma omp for schedule(static)
+            for (int64_t d = 0; d < d_tiles; d++) {
+                const int ncols = (int)(hidden - d * TILE < TILE ? hidden - d * TILE : TILE);
+                float sum[TILE];
+                for (int c = 0; c < ncols; c++) sum[c] = 0.0f;
+                for (int64_t j = 0; j < k; j++) {
+                    const uint16_t *wp = (const uint16_t *)(intptr_t)down[id[order[j]]];
+                    tile_sums(h + j * inter, inter, 1, wp + d * d_numel, inter, acc, fast);
+                    bf16_tile_store(acc, 1, y, TILE, ncols, NULL, 0);
+                    const float wj = bf16_to_f32(f32_to_bf16(w[order[j]]));
+                    for (int c = 0; c < ncols; c++) {
+                        /* bf16 x bf16 is exact in float32: one rounding, as torch's mul_ */
+                        const float p = bf16_to_f32(f32_to_bf16(bf16_to_f32(y[c]) * wj));
+                        sum[c] = bf16_to_f32(f32_to_bf16(sum[c] + p));
+                    }
+                }
+                for (int c = 0; c < ncols; c++) o[d * TILE + c] = f32_to_bf16(sum[c]);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[c] = (((0 + y0 * w0) + y1 * w1) + ...) over columns c0..c1, each product and each sum
+ * rounded to float32 on its own, as the per-expert path's mul_ then += (the pragma above, and
+ * the attribute for GCC, which ignores the pragma, keep them from fusing into an FMA). */
+__attribute__((optimize("fp-contract=off")))
+static void moe_weighted_sum_f32(const float *y, int64_t hidden, int64_t k, const float *w,
+                                 const int *order, int64_t c0, int64_t c1, float *out) {
+    for (int64_t c = c0; c < c1; c++) out[c] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float wj = w[order[j]], *yj = y + j * hidden;
+        for (int64_t c = c0; c < c1; c++) {
+            const float p = yj[c] * wj;
+            out[c] = out[c] + p;
+        }
+    }
+}
+
+/* x [tokens, hidden] (row stride ldx); ids [tokens, k]; weights [tokens, k]; h scratch
+ * [k, inter]; y scratch [k, hidden]; out [tokens, hidden]. */
+int moe_experts_f32(const float *x, int64_t tokens, int64_t ldx, const int64_t *gate_up,
+                    const int64_t *down, int64_t num_experts, const int64_t *ids,
+                    const float *weights, int64_t k, int64_t hidden, int64_t inter, float *h,
+                    float *y, float *out, int num_threads, int path) {
+    if (hidden <= 0 || inter <= 0) return 1;
+    if (moe_check(ids, tokens, k, num_experts)) return 2;
+    const int64_t gu_panels = f32_panels(inter, 1), d_panels = f32_panels(hidden, 0);
+    const int64_t units = k * gu_panels > d_panels ? k * gu_panels : d_panels;
+    const int nt = kernel_threads(num_threads, units);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int order[MOE_MAX_K];
+        const int64_t th = kernel_thread(), team = kernel_team();
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t *id = ids + t * k;
+            moe_sorted(id, k, order);
+            const float *xt = x + t * ldx;
+            /* gate/up: the k experts' panels end to end, one near-equal run per thread */
+            const int64_t u0 = k * gu_panels * th / team, u1 = k * gu_panels * (th + 1) / team;
+            for (int64_t u = u0; u < u1;) {
+                const int64_t j = u / gu_panels, p0 = u % gu_panels;
+                const int64_t p1 = u1 - j * gu_panels < gu_panels ? u1 - j * gu_panels : gu_panels;
+                const float *wp = (const float *)(intptr_t)gate_up[id[order[j]]];
+                f32_run_panels(xt, 1, hidden, wp, inter, hidden, NULL, h + j * inter, inter, p0,
+                               p1, 1, path, NULL, 0);
+                u += p1 - p0;
+            }
+#pragma omp barrier
+            const int64_t q0 = d_panels * th / team, q1 = d_panels * (th + 1) / team;
+            if (q0 < q1) {
+                for (int64_t j = 0; j < k; j++) {
+                    const float *wp = (const float *)(intptr_t)down[id[order[j]]];
+                    f32_run_panels(h + j * inter, 1, inter, wp, hidden, inter, NULL,
+                                   y + j * hidden, hidden, q0, q1, 0, path, NULL, 0);
+                }
+                const int64_t c1 = q1 * F32_NP < hidden ? q1 * F32_NP : hidden;
+                moe_weighted_sum_f32(y, hidden, k, weights + t * k, order, q0 * F32_NP, c1,
+                                     out + t * hidden);
+            }
+#pragma omp barrier
+        }
+    }
+    return 0;
+}
