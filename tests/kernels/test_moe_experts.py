@@ -39,9 +39,11 @@ def test_kernel_equals_per_expert_path(dtype, hidden, inter, top_k):
     _need(dtype)
     block, plain = _block(dtype, hidden, inter, top_k, seed=hidden)
     assert block.kernel is not None, "the block should have taken the kernel"
-    kernel = block.kernel
-    portable = MoEExperts([e.gate.gemv for e in block.experts],  # type: ignore[union-attr]
-                          [e.down.gemv for e in block.experts], path=1)  # type: ignore[union-attr]
+    routed = block.kernel
+    gate_up = [e.gate.gemv for e in block.experts]  # type: ignore[union-attr]
+    down = [e.down.gemv for e in block.experts]  # type: ignore[union-attr]
+    kernel = MoEExperts(gate_up, down)  # routed by torch: bit for bit the per-expert path
+    portable = MoEExperts(gate_up, down, path=1)
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
     threads = torch.get_num_threads()
     try:
@@ -70,7 +72,31 @@ def test_kernel_equals_per_expert_path(dtype, hidden, inter, top_k):
             assert torch.allclose(expected.double(), ref, atol=tol * ref.abs().max().item())
     finally:
         torch.set_num_threads(threads)
-        block.kernel = kernel
+        block.kernel = routed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routing_in_the_call_picks_torchs_experts(dtype, normalize):
+    """The kernel's own routing (softmax, top k, renormalized or not) against torch's: the same
+    experts and weights up to the logits' summation order."""
+    _need(dtype)
+    block, _ = _block(dtype, 136, 88, 3, seed=5)
+    block.routing.normalize = normalize
+    block.router = (block.router.float() / 30).to(dtype)  # spread the weights: top 3 of 8 ~ 1/2
+    block.kernel = type(block.kernel)(  # type: ignore[misc]
+        [e.gate.gemv for e in block.experts], [e.down.gemv for e in block.experts],  # type: ignore[union-attr]
+        block.router, normalize)
+    x = torch.randn(4, 136, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = block(x)
+    kernel, block.kernel = block.kernel, None
+    expected = block(x)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), expected.float(), atol=tol * expected.abs().max().item())
+    # renormalizing or not changes the output by ~2x: the comparison above tells them apart
+    _, weights = block.route(x)
+    assert kernel is not None and kernel.router is not None
+    assert bool((weights.sum(-1) < 0.8).all()) != normalize
 
 
 def test_bad_ids_are_refused():

@@ -16,7 +16,7 @@ import torch
 from llmtower.kernels import ops
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
-from llmtower.kernels.moe_experts import MAX_ACTIVE, MoEExperts
+from llmtower.kernels.moe_experts import MAX_ACTIVE, MAX_ROUTED_EXPERTS, MoEExperts
 from llmtower.models.layers.mlp import GatedMLP
 from llmtower.models.layers.weights import WeightTaker
 from llmtower.models.linear import PackedWeight
@@ -55,7 +55,10 @@ class SparseMoE:
         self.routing = routing
         self.shared = shared
         self.shared_gate = shared_gate  # [1, hidden]
-        self.kernel = experts_kernel(experts) if routing.top_k <= MAX_ACTIVE else None
+        # The one-call kernel, which also routes where the routing is the plain softmax one.
+        self.kernel = experts_kernel(experts, router if router_bias is None
+                                     and not routing.softmax_after_topk else None,
+                                     routing.normalize) if routing.top_k <= MAX_ACTIVE else None
 
     @classmethod
     def load(cls, take: WeightTaker, prefix: str, hidden: int, intermediate: int,
@@ -82,10 +85,13 @@ class SparseMoE:
         return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
         k = self.routing.top_k
         if self.kernel is not None and x.shape[0] <= KERNEL_MAX_TOKENS:
+            if self.kernel.router is not None:
+                return self._add_shared(x, self.kernel.routed(x, k))
+            ids, weights = self.route(x)
             return self._add_shared(x, self.kernel(x, ids, weights))
+        ids, weights = self.route(x)
         if x.shape[0] == 1:
             # One token (a one-stream decode step): its k experts straight on x, in expert
             # order as below, without the sort, gather and scatter.
@@ -122,14 +128,16 @@ class SparseMoE:
         return out
 
 
-def experts_kernel(experts: list[GatedMLP]) -> MoEExperts | None:
+def experts_kernel(experts: list[GatedMLP], router: torch.Tensor | None = None,
+                   normalize: bool = True) -> MoEExperts | None:
     """The one-call kernel over ``experts`` where it computes what they do: float SwiGLU MLPs
     without biases whose gate/up pair and down matrix have the decode kernels' copies
-    (``PackedWeight``), and a CPU where the kernel for their dtype runs; else None."""
+    (``PackedWeight``), and a CPU where the kernel for their dtype runs; else None. With
+    ``router`` (softmax routing, ``normalize`` as ``Routing``) it routes too, where it can."""
     gate_up: list[GemvWeight | GemmF32Weight] = []
     down: list[GemvWeight | GemmF32Weight] = []
     for mlp in experts:
-        if mlp.act != "silu" or mlp.gate_up is not None or mlp.down_bias is not None \
+        if not isinstance(mlp, GatedMLP) or mlp.act != "silu" or mlp.gate_up is not None or mlp.down_bias is not None \
                 or type(mlp.gate) is not PackedWeight or type(mlp.down) is not PackedWeight \
                 or not mlp.gate.gemv.silu_pair:
             return None
@@ -139,6 +147,11 @@ def experts_kernel(experts: list[GatedMLP]) -> MoEExperts | None:
     if not ops.capabilities().can_run(kernel):
         return None
     try:
-        return MoEExperts(gate_up, down)
+        plain = MoEExperts(gate_up, down)
     except ValueError:  # mixed layouts: the experts run one by one
         return None
+    if router is not None and router.dtype == plain.dtype \
+            and router.shape == (plain.num_experts, plain.hidden) \
+            and plain.num_experts <= MAX_ROUTED_EXPERTS:
+        return MoEExperts(gate_up, down, router, normalize)
+    return plain
