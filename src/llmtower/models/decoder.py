@@ -95,7 +95,9 @@ class DecoderLM:
                                self.logits_divisor())
         self._embed_scale = self.embed_scale()
         self._residual = self.residual_multiplier()
-        self._fused_norms = self._fused_norm_ops()
+        self._fused = FusedOps(self.dtype) if self.dtype in (torch.float32, torch.bfloat16) \
+            and ops.capabilities().can_run("fused_ops") else None
+        self._fused_norms = self._fused if self._fused_layout() else None
 
     # ------------------------------------------------------------------ family hooks
     def attention_options(self, i: int) -> AttentionOptions:
@@ -134,16 +136,25 @@ class DecoderLM:
                                                scaling, self.dtype)
         return self._ropes[key]
 
-    def _fused_norm_ops(self) -> FusedOps | None:
-        """The fused residual add + RMSNorm kernel where this model's layers are Llama's
-        (plain RMSNorm before attention and before the MLP only, residuals not scaled): it
-        saves each norm ~6 tensor ops. None elsewhere."""
-        if type(self).norm is not rms_norm or set(self.norm_names) != {"pre_attn", "pre_mlp"} \
-                or self._residual != 1.0 or not self.layers \
-                or self.dtype not in (torch.float32, torch.bfloat16) \
-                or not ops.capabilities().can_run("fused_ops"):
+    def _fused_layout(self) -> bool:
+        """Whether this model's layers are Llama's (plain RMSNorm before attention and before
+        the MLP only, residuals not scaled): the fused residual add + RMSNorm kernel then
+        saves each norm ~6 tensor ops."""
+        return type(self).norm is rms_norm and set(self.norm_names) == {"pre_attn", "pre_mlp"} \
+            and self._residual == 1.0 and bool(self.layers)
+
+    def _fused_attention(self, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                         meta: AttentionMetadata) -> FusedOps | None:
+        """The fused kernels for this step's RoPE + KV writes, once the step's positions and
+        slots are checked against the tables they index; None where a cache holds another
+        dtype (``--kv-cache-dtype``) than the model's, or there are no fused kernels."""
+        if self._fused is None or not kv_caches \
+                or any(c.dtype != self.dtype for c in kv_caches):
             return None
-        return FusedOps(self.dtype)
+        c0 = kv_caches[0]
+        self._fused.check_step(positions, meta.slot_mapping, self.max_position,
+                               c0.shape[1] * c0.shape[2])
+        return self._fused
 
     def _load_layer(self, take: WeightTaker, i: int) -> DecoderLayer:
         c = self.config
@@ -171,14 +182,15 @@ class DecoderLM:
         if self._embed_scale != 1.0:
             # transformers multiplies by the scale as a tensor of the model's dtype.
             h = h * torch.tensor(self._embed_scale, dtype=h.dtype)
+        fa = self._fused_attention(positions, kv_caches, meta)
         if self._fused_norms is not None:
-            h = self._fused_layers(self._fused_norms, h, positions, kv_caches, attn, meta,
+            h = self._fused_layers(self._fused_norms, fa, h, positions, kv_caches, attn, meta,
                                    logits_indices)
             return self.head.logits(h) if head else h
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = h if layer.pre_attn is None else norm(h, layer.pre_attn, eps)
-            x = layer.attn(x, positions, kv_caches[i], attn, meta)
+            x = layer.attn(x, positions, kv_caches[i], attn, meta, fa)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
@@ -198,7 +210,8 @@ class DecoderLM:
 
     __call__ = forward
 
-    def _fused_layers(self, fo: FusedOps, h: torch.Tensor, positions: torch.Tensor,
+    def _fused_layers(self, fo: FusedOps, fa: FusedOps | None, h: torch.Tensor,
+                      positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], attn: PagedAttention,
                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """``forward``'s layers and final norm for Llama-layout models, each residual add
@@ -207,7 +220,7 @@ class DecoderLM:
         x = fo.add_rms_norm(h, None, layers[0].pre_attn, eps)  # type: ignore[arg-type]
         last = len(layers) - 1
         for i, layer in enumerate(layers):
-            x = layer.attn(x, positions, kv_caches[i], attn, meta)
+            x = layer.attn(x, positions, kv_caches[i], attn, meta, fa)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
