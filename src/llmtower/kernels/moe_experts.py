@@ -31,9 +31,12 @@ MAX_ROUTED_EXPERTS = 1024
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = kernel_library()
-    common = [_I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _INT, _P]
-    lib.moe_experts_bf16.argtypes = [_P, *common, _P, _INT, _INT]
-    lib.moe_experts_f32.argtypes = [_P, *common, _P, _P, _INT, _INT]
+    # x, tokens, ldx, gate_up table, down table, experts, ids, weights, k, hidden, inter,
+    # router, normalize, h scratch, (f32: y scratch,) out, threads, path
+    lib.moe_experts_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P,
+                                     _INT, _P, _P, _INT, _INT]
+    lib.moe_experts_f32.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P,
+                                    _INT, _P, _P, _P, _INT, _INT]
     lib.moe_experts_bf16.restype = lib.moe_experts_f32.restype = _INT
     return lib
 
