@@ -18,7 +18,7 @@
  *   bfloat16: h = bf16(bf16(silu(g)) * u); y = bf16(h @ down.T); p = bf16(y * bf16(w));
  *             out = bf16(out + p), out starting at +0.
  *   float32:  the same sums (one accumulator per output, k order); y * w and out + that as
- *             two float32 roundings (never fused: contraction is turned off below).
+ *             two float32 roundings (never fused into an FMA: see moe_weighted_sum_f32).
  * So a step gives the tokens the per-expert path gives them, bit for bit
  * (tests/kernels/test_moe_experts.py).
  *
@@ -37,8 +37,6 @@
 #include "gemv_bf16_tiles.h"
 #include "gemm_f32_panels.h"
 #include "threads.h"
-
-#pragma STDC FP_CONTRACT OFF
 
 #define MOE_MAX_K 64
 #define MOE_MAX_E 1024 /* most experts the in-call routing takes */
@@ -179,8 +177,9 @@ int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t ldx, const int64
 }
 
 /* out[c] = (((0 + y0 * w0) + y1 * w1) + ...) over columns c0..c1, each product and each sum
- * rounded to float32 on its own, as the per-expert path's mul_ then += (the pragma above, and
- * the attribute for GCC, which ignores the pragma, keep them from fusing into an FMA). */
+ * rounded to float32 on its own, as the per-expert path's mul_ then +=: GCC contracts a
+ * product and a sum across statements by default (-ffp-contract=fast), hence the attribute;
+ * clang contracts only within one expression. */
 __attribute__((optimize("fp-contract=off")))
 static void moe_weighted_sum_f32(const float *y, int64_t hidden, int64_t k, const float *w,
                                  const int *order, int64_t c0, int64_t c1, float *out) {
