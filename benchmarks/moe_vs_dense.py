@@ -15,8 +15,10 @@ attention, embeddings and head:
 Random weights, no files: each model is built in this process, prefilled with ``--context``
 tokens, then decodes ``--steps`` tokens one at a time by direct forward calls (the paged C
 attention kernel, greedy screen off: full logits each step). The variants take turns over
-``--rounds``; the medians of the per-round decode tok/s are printed with their ratio to the
-MoE, and the load average (this machine is shared).
+``--rounds`` and, within a round, step by step (so that a shared machine's changing load hits
+them alike); the medians of the per-round decode tok/s are printed with the MoE's speed as a
+fraction of each (the target: >= 0.8x the dense models; the fused Llama path is the stricter
+comparison, the same generic path isolates the MoE block), and the load average.
 
     .venv/bin/python benchmarks/moe_vs_dense.py
     .venv/bin/python benchmarks/moe_vs_dense.py --dtype float32 --layers 2 --steps 32
@@ -90,22 +92,24 @@ class Stream:
         self.attn = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, blocks + 1)
         self.table = np.arange(blocks + 1, dtype=np.int64)[None, :]
 
-    def run(self, context: int, steps: int) -> float:
-        """Prefill ``context`` tokens, then decode ``steps``; decode tok/s."""
+    def prefill(self, context: int) -> None:
+        """Prefill ``context`` random tokens (rewriting the same slots each round)."""
         ids = torch.randint(3, VOCAB, (context,))
         meta = AttentionMetadata(context, torch.arange(context),
                                  prefills=[PrefillSeq(0, context, 0)])
         one = torch.tensor([context - 1])
         logits = self.model(ids, torch.arange(context), self.kv.kv_caches, self.attn, meta, one)
-        token = int(logits.argmax())
+        self.token = int(logits.argmax())
+
+    def step(self, pos: int) -> float:
+        """Decode the token at ``pos``; the seconds it took."""
         start = time.perf_counter()
-        for pos in range(context, context + steps):
-            meta = AttentionMetadata(1, torch.tensor([pos]))
-            meta.decodes = decode_batch(self.table, np.array([pos + 1]), BLOCK)
-            logits = self.model(torch.tensor([token]), torch.tensor([pos]), self.kv.kv_caches,
-                                self.attn, meta, torch.tensor([0]))
-            token = int(logits.argmax())
-        return steps / (time.perf_counter() - start)
+        meta = AttentionMetadata(1, torch.tensor([pos]))
+        meta.decodes = decode_batch(self.table, np.array([pos + 1]), BLOCK)
+        logits = self.model(torch.tensor([self.token]), torch.tensor([pos]), self.kv.kv_caches,
+                            self.attn, meta, torch.tensor([0]))
+        self.token = int(logits.argmax())
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -136,8 +140,16 @@ def main() -> None:
     }
     results: dict[str, list[float]] = {k: [] for k in streams}
     for _ in range(a.rounds):
-        for name, s in streams.items():  # each round rewrites the same slots
-            results[name].append(s.run(a.context, a.steps))
+        for s in streams.values():  # each round rewrites the same slots
+            s.prefill(a.context)
+        spent = dict.fromkeys(streams, 0.0)
+        # The variants take turns step by step, so that a shared machine's load changes hit
+        # them alike.
+        for pos in range(a.context, a.context + a.steps):
+            for name, s in streams.items():
+                spent[name] += s.step(pos)
+        for name in streams:
+            results[name].append(a.steps / spent[name])
     active = 3 * HIDDEN * EXPERT_SIZE * ACTIVE
     print(f"{a.dtype}, {a.layers} layers, hidden {HIDDEN}, context {a.context}, {a.steps} decode "
           f"steps, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; active MLP "

@@ -19,6 +19,8 @@ The kernels, by name:
     gemm_f32           float32 decode-step products (gemm_f32.c; vec.h: AVX-512, AVX2+FMA, NEON)
     decode_layer_bf16  the fused bfloat16 decode layer (decode_layer.c; AVX512_BF16)
     decode_layer_f32   the fused float32 decode layer (decode_layer.c; as gemm_f32)
+    moe_experts_bf16   a decode step's chosen experts in one call, bfloat16 (moe_experts.c; as gemv_bf16)
+    moe_experts_f32    the same, float32 (moe_experts.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; AVX512_VNNI + BF16)
     quant_gemm         products by GGUF block-quantized weights (quant_gemm.c; AVX512_VNNI)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
@@ -45,12 +47,13 @@ logger = logging.getLogger(__name__)
 ISA_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c",
              "avx_vnni", "asimd")
 KERNELS = ("fused_ops", "paged_attention", "prefill_bf16", "prefill_f32", "gemv_bf16",
-           "gemm_bf16", "gemm_f32", "decode_layer_bf16", "decode_layer_f32", "greedy_head",
-           "quant_gemm", "cpu_bind")
+           "gemm_bf16", "gemm_f32", "decode_layer_bf16", "decode_layer_f32", "moe_experts_bf16",
+           "moe_experts_f32", "greedy_head", "quant_gemm", "cpu_bind")
 # The kernels that come in one variant per dtype: family -> {dtype: kernel}.
 BY_DTYPE = {
     "decode_layer": {torch.float32: "decode_layer_f32", torch.bfloat16: "decode_layer_bf16"},
     "prefill": {torch.float32: "prefill_f32", torch.bfloat16: "prefill_bf16"},
+    "moe_experts": {torch.float32: "moe_experts_f32", torch.bfloat16: "moe_experts_bf16"},
 }
 
 # The per-call attention options (``PagedAttention.forward``'s keywords) each attention kernel
@@ -84,6 +87,8 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "gemm_f32": ("gemm_f32_fast", (), f"{_NO_VEC}: float32 GEMMs stay on oneDNN"),
     "decode_layer_bf16": ("decode_layer_fast", (1,), _NO_BF16),
     "decode_layer_f32": ("decode_layer_fast", (0,), _NO_VEC),
+    "moe_experts_bf16": ("moe_experts_fast", (1,), f"{_NO_BF16}: experts run one by one"),
+    "moe_experts_f32": ("moe_experts_fast", (0,), f"{_NO_VEC}: experts run one by one"),
     "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
                     "AVX512_BF16"),
     # The portable code runs anywhere but slower than a float GEMM: GGUF block weights are

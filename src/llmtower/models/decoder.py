@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtower.kernels import ops
+from llmtower.kernels.fused_ops import FusedOps
 from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.config import ModelConfig
@@ -93,6 +95,9 @@ class DecoderLM:
                                self.logits_divisor())
         self._embed_scale = self.embed_scale()
         self._residual = self.residual_multiplier()
+        self._fused = FusedOps(self.dtype) if self.dtype in (torch.float32, torch.bfloat16) \
+            and ops.capabilities().can_run("fused_ops") else None
+        self._fused_norms = self._fused if self._fused_layout() else None
 
     # ------------------------------------------------------------------ family hooks
     def attention_options(self, i: int) -> AttentionOptions:
@@ -131,6 +136,26 @@ class DecoderLM:
                                                scaling, self.dtype)
         return self._ropes[key]
 
+    def _fused_layout(self) -> bool:
+        """Whether this model's layers are Llama's (plain RMSNorm before attention and before
+        the MLP only, residuals not scaled): the fused residual add + RMSNorm kernel then
+        saves each norm ~6 tensor ops."""
+        return type(self).norm is rms_norm and set(self.norm_names) == {"pre_attn", "pre_mlp"} \
+            and self._residual == 1.0 and bool(self.layers)
+
+    def _fused_attention(self, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                         meta: AttentionMetadata) -> FusedOps | None:
+        """The fused kernels for this step's RoPE + KV writes, once the step's positions and
+        slots are checked against the tables they index; None where a cache holds another
+        dtype (``--kv-cache-dtype``) than the model's, or there are no fused kernels."""
+        if self._fused is None or not kv_caches \
+                or any(c.dtype != self.dtype for c in kv_caches):
+            return None
+        c0 = kv_caches[0]
+        self._fused.check_step(positions, meta.slot_mapping, self.max_position,
+                               c0.shape[1] * c0.shape[2])
+        return self._fused
+
     def _load_layer(self, take: WeightTaker, i: int) -> DecoderLayer:
         c = self.config
         p = f"model.layers.{i}."
@@ -157,10 +182,15 @@ class DecoderLM:
         if self._embed_scale != 1.0:
             # transformers multiplies by the scale as a tensor of the model's dtype.
             h = h * torch.tensor(self._embed_scale, dtype=h.dtype)
+        fa = self._fused_attention(positions, kv_caches, meta)
+        if self._fused_norms is not None:
+            h = self._fused_layers(self._fused_norms, fa, h, positions, kv_caches, attn, meta,
+                                   logits_indices)
+            return self.head.logits(h) if head else h
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = h if layer.pre_attn is None else norm(h, layer.pre_attn, eps)
-            x = layer.attn(x, positions, kv_caches[i], attn, meta)
+            x = layer.attn(x, positions, kv_caches[i], attn, meta, fa)
             if i == last:
                 # Only the rows that are sampled from need the rest of the network.
                 x = x.index_select(0, logits_indices)
@@ -179,6 +209,27 @@ class DecoderLM:
         return self.head.logits(h) if head else h
 
     __call__ = forward
+
+    def _fused_layers(self, fo: FusedOps, fa: FusedOps | None, h: torch.Tensor,
+                      positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], attn: PagedAttention,
+                      meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """``forward``'s layers and final norm for Llama-layout models, each residual add
+        fused into the norm that follows it (``h`` updated in place): the final norm's rows."""
+        eps, layers = self.eps, self.layers
+        x = fo.add_rms_norm(h, None, layers[0].pre_attn, eps)  # type: ignore[arg-type]
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            x = layer.attn(x, positions, kv_caches[i], attn, meta, fa)
+            if i == last:
+                # Only the rows that are sampled from need the rest of the network.
+                x = x.index_select(0, logits_indices)
+                h = h.index_select(0, logits_indices)
+            x = fo.add_rms_norm(h, x, layer.pre_mlp, eps)  # type: ignore[arg-type]
+            x = layer.mlp(x)
+            nxt = layers[i + 1].pre_attn if i < last else self.final_norm
+            x = fo.add_rms_norm(h, x, nxt, eps)  # type: ignore[arg-type]
+        return x
 
     def greedy_rows(self) -> int:
         """Most sampled rows ``greedy_tokens`` takes (0: no greedy screen)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtower.kernels.fused_ops import FusedOps
 from llmtower.models.attention import AttentionMetadata, PagedAttention
 from llmtower.models.layers.rotary import RotaryEmbedding
 from llmtower.models.layers.weights import Weight, WeightTaker, apply_linear, fuse, packed
@@ -63,9 +64,27 @@ class SelfAttention:
             self.k_norm = take(p + "k_norm.weight", (head_dim if head else self.kv_size,))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 attn: PagedAttention, meta: AttentionMetadata) -> torch.Tensor:
+                 attn: PagedAttention, meta: AttentionMetadata,
+                 fused: FusedOps | None = None) -> torch.Tensor:
+        """The layer's attention output for x [T, hidden]. ``fused``: the step's fused kernels,
+        given once their indices were checked (``FusedOps.check_step``) and where the cache
+        holds the model's dtype: RoPE and the KV write then run in one C call on layers
+        without q/k norms or clipping."""
         t = x.shape[0]
         qkv = apply_linear(x, self.qkv, self.qkv_bias)
+        rope = self.opt.rope
+        if fused is not None and rope is not None and self.q_norm is None \
+                and self.opt.clip_qkv is None:
+            cos, sin = rope.tables()
+            # Only fresh prefills (SDPA over the chunk's own keys) read k beside the cache.
+            want_k = any(p.num_computed == 0 for p in meta.prefills)
+            q, k = fused.rope_kv_write(qkv, self.h, self.hkv, self.d, cos, sin, positions,
+                                       meta.slot_mapping, kv_cache, want_k)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.hkv, self.d)
+            o = attn.forward(q, k, v, kv_cache, meta, kv_written=True,
+                             sliding_window=self.opt.window, logit_softcap=self.opt.softcap,
+                             scale=self.opt.scale, sinks=self.sinks)
+            return apply_linear(o, self.o_proj, self.o_bias)
         q = qkv[:, :self.q_size]
         k = qkv[:, self.q_size:self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size:].reshape(t, self.hkv, self.d)
@@ -77,7 +96,6 @@ class SelfAttention:
         q, k = q.reshape(t, self.h, self.d), k.reshape(t, self.hkv, self.d)
         if self.q_norm is not None and self.k_norm is not None and self.opt.qk_norm == "head":
             q, k = self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)
-        rope = self.opt.rope
         if rope is not None:
             cos, sin = rope.lookup(positions)
             q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)

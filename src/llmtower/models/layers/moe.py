@@ -3,7 +3,9 @@ tokens by expert, and run one GEMM (gate/up, then down) per expert that has toke
 
 Never a loop over tokens and never every expert for every token: a decode step of one token
 with k active experts runs exactly k small MLPs; a prefill chunk of T tokens runs at most
-``num_experts`` GEMMs whose rows add up to T * k.
+``num_experts`` GEMMs whose rows add up to T * k. A step of at most ``KERNEL_MAX_TOKENS``
+tokens whose experts are float SwiGLU MLPs with decode-kernel copies runs its chosen experts
+in one C call instead (``kernels/moe_experts.py``), with the same results.
 """
 from __future__ import annotations
 
@@ -11,8 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtower.kernels import ops
+from llmtower.kernels.gemm_f32 import GemmF32Weight
+from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels.moe_experts import MAX_ACTIVE, MAX_ROUTED_EXPERTS, MoEExperts
 from llmtower.models.layers.mlp import GatedMLP
 from llmtower.models.layers.weights import WeightTaker
+from llmtower.models.linear import PackedWeight
+
+# Steps of at most this many tokens run their experts in one kernel call (each token's experts
+# streamed for it: past a few tokens, experts shared between tokens are better read once by the
+# grouped path's GEMMs).
+KERNEL_MAX_TOKENS = 4
 
 
 @dataclass
@@ -43,6 +55,10 @@ class SparseMoE:
         self.routing = routing
         self.shared = shared
         self.shared_gate = shared_gate  # [1, hidden]
+        # The one-call kernel, which also routes where the routing is the plain softmax one.
+        self.kernel = experts_kernel(experts, router if router_bias is None
+                                     and not routing.softmax_after_topk else None,
+                                     routing.normalize) if routing.top_k <= MAX_ACTIVE else None
 
     @classmethod
     def load(cls, take: WeightTaker, prefix: str, hidden: int, intermediate: int,
@@ -69,8 +85,13 @@ class SparseMoE:
         return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
         k = self.routing.top_k
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_TOKENS:
+            if self.kernel.router is not None:
+                return self._add_shared(x, self.kernel.routed(x, k))
+            ids, weights = self.route(x)
+            return self._add_shared(x, self.kernel(x, ids, weights))
+        ids, weights = self.route(x)
         if x.shape[0] == 1:
             # One token (a one-stream decode step): its k experts straight on x, in expert
             # order as below, without the sort, gather and scatter.
@@ -105,3 +126,32 @@ class SparseMoE:
                 s = s * torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate))
             out += s
         return out
+
+
+def experts_kernel(experts: list[GatedMLP], router: torch.Tensor | None = None,
+                   normalize: bool = True) -> MoEExperts | None:
+    """The one-call kernel over ``experts`` where it computes what they do: float SwiGLU MLPs
+    without biases whose gate/up pair and down matrix have the decode kernels' copies
+    (``PackedWeight``), and a CPU where the kernel for their dtype runs; else None. With
+    ``router`` (softmax routing, ``normalize`` as ``Routing``) it routes too, where it can."""
+    gate_up: list[GemvWeight | GemmF32Weight] = []
+    down: list[GemvWeight | GemmF32Weight] = []
+    for mlp in experts:
+        if not isinstance(mlp, GatedMLP) or mlp.act != "silu" or mlp.gate_up is not None or mlp.down_bias is not None \
+                or type(mlp.gate) is not PackedWeight or type(mlp.down) is not PackedWeight \
+                or not mlp.gate.gemv.silu_pair:
+            return None
+        gate_up.append(mlp.gate.gemv)
+        down.append(mlp.down.gemv)
+    kernel = "moe_experts_f32" if isinstance(gate_up[0], GemmF32Weight) else "moe_experts_bf16"
+    if not ops.capabilities().can_run(kernel):
+        return None
+    try:
+        plain = MoEExperts(gate_up, down)
+    except ValueError:  # mixed layouts: the experts run one by one
+        return None
+    if router is not None and router.dtype == plain.dtype \
+            and router.shape == (plain.num_experts, plain.hidden) \
+            and plain.num_experts <= MAX_ROUTED_EXPERTS:
+        return MoEExperts(gate_up, down, router, normalize)
+    return plain
