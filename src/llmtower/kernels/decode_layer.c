@@ -33,10 +33,37 @@
 /* Whether decode_layers prefetches the next attention's K/V during the float32 products. */
 int decode_layer_prefetch_kv = 1;
 
-/* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype). */
+/* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype);
+ * `layer` its index (the LoRA products of the pair: layer's o, gate_up, down, layer + 1's qkv). */
 typedef struct {
     const void *o, *o_bias, *post_norm, *gate_up, *down, *next_norm, *qkv, *qkv_bias;
+    int64_t layer;
 } DecodeLayerWeights;
+
+/* LoRA (float32): one fused product's low-rank matrices in one layer for every adapter of the
+ * step's active set (slot s). Part p (q, k, v of qkv; gate, up of a silu pair; the whole of o
+ * or down) owns rank rows p*r .. p*r + r - 1 of each slot's A and output columns cols[p] ..
+ * cols[p + 1] (cols[nparts] = n; a silu pair's gate 0..inter, up inter..2*inter, as in
+ * F32Addend). a NULL: no adapter of the set targets this product. */
+typedef struct {
+    const float *a; /* [slots][nparts * r][k]: A (rank rows of zero past an adapter's rank) */
+    const float *b; /* [slots][part p][r][cols[p+1] - cols[p]]: B.T (scaling folded in) */
+    int64_t nparts, r;
+    int64_t cols[4];
+} LoraProduct;
+
+/* LoRA: a step's (or its sampled rows') adapter rows, grouped by slot: rows[starts[s] ..
+ * starts[s + 1]) use slot s; index[row] is a row's position in `rows` (its row of s and d),
+ * -1 for a row without an adapter. s and d: work buffers [count, ld_s] and [count, ld_d]. */
+typedef struct {
+    const LoraProduct *products; /* [layers][4]: qkv, o, gate_up, down */
+    const int64_t *rows, *starts, *index;
+    int64_t slots;
+    float *s, *d;
+    int64_t ld_s, ld_d;
+} LoraRows;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PRODUCTS };
 
 /* What every layer of one step shares: shapes, dtype, rotary tables, indices and work
  * buffers. */
@@ -48,6 +75,7 @@ typedef struct {
     const void *cos, *sin;
     const int64_t *positions, *slots;
     void *x, *n, *y, *qkv, *q_out; /* [t, hidden] x 2, [t, inter], [t, qkv], [t, nh * d] */
+    const LoraRows *lora; /* float32 only; NULL: no row has an adapter */
 } DecodeStep;
 
 /* Whether the products of a dtype have their fast code here (bf16: AVX512_BF16; float32:
@@ -71,26 +99,116 @@ static inline __attribute__((always_inline)) void product(
     }
 }
 
+/* x . y over k floats (one vector accumulator, then the lanes). */
+static inline float lora_dot(const float *x, const float *y, int64_t k) {
+    vf acc = vf_zero();
+    int64_t i = 0;
+    for (; i + VEC_LANES <= k; i += VEC_LANES) acc = vf_fma(vf_load(x + i), vf_load(y + i), acc);
+    float sum = vf_reduce_add(acc);
+    for (; i < k; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+/* Columns of B per expand job (its r x LORA_COLS block stays in L1 across the slot's rows). */
+#define LORA_COLS 128
+
+/* The LoRA deltas of product P for the rows of L, into L->d (row index[i], columns 0..n):
+ * shrink s = x . A.T (each row with its slot's A), then expand d = s . B.T per part, each
+ * phase shared by the region's threads (a barrier after each). x [t, k] rows ldx apart.
+ * Returns the terms for the product's epilogue (f32_addend). */
+static const F32Addend *lora_delta(const LoraRows *L, const LoraProduct *P, const float *x,
+                                   int64_t ldx, int64_t k, int silu, F32Addend *add) {
+    const int64_t rr = P->nparts * P->r, n = P->cols[P->nparts];
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < L->slots * rr; job++) {
+        const int64_t sl = job / rr, j = job % rr;
+        const float *a = P->a + (sl * rr + j) * k;
+        for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i++)
+            L->s[i * L->ld_s + j] = lora_dot(x + L->rows[i] * ldx, a, k);
+    }
+    int64_t per_slot = 0; /* expand jobs of one slot: each part's columns in LORA_COLS chunks */
+    for (int64_t p = 0; p < P->nparts; p++)
+        per_slot += (P->cols[p + 1] - P->cols[p] + LORA_COLS - 1) / LORA_COLS;
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < L->slots * per_slot; job++) {
+        const int64_t sl = job / per_slot;
+        int64_t c = job % per_slot, p = 0, off = 0; /* chunk c of the slot -> part p, offset */
+        for (;; p++) {
+            const int64_t chunks = (P->cols[p + 1] - P->cols[p] + LORA_COLS - 1) / LORA_COLS;
+            if (c < chunks) break;
+            c -= chunks;
+            off += P->r * (P->cols[p + 1] - P->cols[p]);
+        }
+        const int64_t np = P->cols[p + 1] - P->cols[p], c0 = c * LORA_COLS;
+        const int64_t c1 = c0 + LORA_COLS < np ? c0 + LORA_COLS : np;
+        const float *b = P->b + sl * P->r * n + off; /* [r][np] */
+        for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i++) {
+            const float *sr = L->s + i * L->ld_s + p * P->r;
+            float *dr = L->d + i * L->ld_d + P->cols[p];
+            int64_t col = c0;
+            for (; col + VEC_LANES <= c1; col += VEC_LANES) {
+                vf acc = vf_zero();
+                for (int64_t j = 0; j < P->r; j++)
+                    acc = vf_fma(vf_set1(sr[j]), vf_load(b + j * np + col), acc);
+                vf_store(dr + col, acc);
+            }
+            for (; col < c1; col++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < P->r; j++) acc += sr[j] * b[j * np + col];
+                dr[col] = acc;
+            }
+        }
+    }
+    add->d = L->d;
+    add->index = L->index;
+    add->ld = L->ld_d;
+    add->half = silu ? n / 2 : 0;
+    return add;
+}
+
+/* The LoRA product `which` of layer `layer` (NULL: no rows, bfloat16, or no adapter on it). */
+static inline const LoraProduct *lora_product(const LoraRows *L, int64_t layer, int which,
+                                              const int BF16) {
+    if (BF16 || !L) return NULL;
+    const LoraProduct *P = &L->products[layer * LORA_PRODUCTS + which];
+    return P->a ? P : NULL;
+}
+
+/* product() with the LoRA deltas of P (or none) added to its sums. */
+static inline __attribute__((always_inline)) void lora_product_call(
+        const LoraRows *L, const LoraProduct *P, const void *x, int64_t m, int64_t ldx,
+        const void *w, int64_t n, int64_t k, const void *bias, void *out, int64_t ldo,
+        int silu, const int BF16, const void *after, int64_t an, int64_t ak, int asilu) {
+    F32Addend add;
+    if (P) f32_addend = lora_delta(L, P, x, ldx, k, silu, &add);
+    product(x, m, ldx, w, n, k, bias, out, ldo, silu, BF16, after, an, ak, asilu);
+    f32_addend = NULL;
+}
+
 /* The layer's phases, run by every thread of the region (BF16 a constant in each caller). */
 static inline __attribute__((always_inline)) void layer_body(
         const DecodeLayerWeights *w, const DecodeStep *s, void *h, const void *attn_out,
         int64_t attn_stride, void *k_cache, void *v_cache, const int BF16) {
     const int64_t t = s->t, hid = s->hidden, qd = s->nh * s->d;
     const int64_t qkv_n = (s->nh + 2 * s->nkv) * s->d;
-    product(attn_out, t, attn_stride, w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16,
-            w->gate_up, s->inter, hid, 1);
+    const LoraRows *L = s->lora;
+    lora_product_call(L, lora_product(L, w->layer, LORA_O, BF16), attn_out, t, attn_stride,
+                      w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16, w->gate_up, s->inter, hid,
+                      1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->post_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16,
-            w->down, hid, s->inter, 0);
-    product(s->y, t, s->inter, w->down, hid, s->inter, NULL, s->x, hid, 0, BF16,
-            w->qkv, qkv_n, hid, 0);
+    lora_product_call(L, lora_product(L, w->layer, LORA_GATE_UP, BF16), s->n, t, hid,
+                      w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, w->down, hid,
+                      s->inter, 0);
+    lora_product_call(L, lora_product(L, w->layer, LORA_DOWN, BF16), s->y, t, s->inter,
+                      w->down, hid, s->inter, NULL, s->x, hid, 0, BF16, w->qkv, qkv_n, hid, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->next_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->qkv, qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16,
-            NULL, 0, 0, 0); /* the attention's KV reads come between it and the next o */
+    /* the attention's KV reads come between it and the next o */
+    lora_product_call(L, lora_product(L, w->layer + 1, LORA_QKV, BF16), s->n, t, hid, w->qkv,
+                      qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16, NULL, 0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
@@ -229,6 +347,7 @@ typedef struct {
     const void *o, *o_bias, *post_norm, *gate_up, *down, *final_norm;
     const void *head; /* [vocab, hidden] in the kernel layout, or NULL: Python's */
     int64_t vocab;
+    int64_t last; /* the last layer's index (its LoRA products) */
 } DecodeEnds;
 
 /* One step's sampled rows (the step's logits_indices) and where their results go. */
@@ -239,6 +358,7 @@ typedef struct {
     void *out;                /* [m, hidden]: the final norm's rows */
     void *logits_bf16;        /* [m, vocab] the output layer's bfloat16 results (bf16 head) */
     float *logits;            /* [m, vocab] those as float32 (head only) */
+    const LoraRows *lora;     /* the sampled rows' adapters (rows 0..m-1), or NULL: none */
 } DecodeTail;
 
 /* Layer 0 up to its attention: n = input_norm * rmsnorm(h), its qkv, RoPE, K/V written, q to
@@ -250,8 +370,9 @@ static inline __attribute__((always_inline)) void first_body(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, NULL, e->first_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, e->first_qkv, qkv_n, hid, e->first_qkv_bias, s->qkv, qkv_n, 0, BF16,
-            NULL, 0, 0, 0);
+    lora_product_call(s->lora, lora_product(s->lora, 0, LORA_QKV, BF16), s->n, t, hid,
+                      e->first_qkv, qkv_n, hid, e->first_qkv_bias, s->qkv, qkv_n, 0, BF16, NULL,
+                      0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
@@ -279,14 +400,17 @@ static inline __attribute__((always_inline)) void last_body(
         ao = tl->attn_rows;
         hr = tl->h_rows;
     }
-    product(ao, m, qd, e->o, hid, qd, e->o_bias, s->x, hid, 0, BF16, e->gate_up, s->inter, hid,
-            1);
+    const LoraRows *L = tl->lora;
+    lora_product_call(L, lora_product(L, e->last, LORA_O, BF16), ao, m, qd, e->o, hid, qd,
+                      e->o_bias, s->x, hid, 0, BF16, e->gate_up, s->inter, hid, 1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
         add_rms_norm_row(hr, s->x, e->post_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, m, hid, e->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, e->down, hid,
-            s->inter, 0);
-    product(s->y, m, s->inter, e->down, hid, s->inter, NULL, s->x, hid, 0, BF16, NULL, 0, 0, 0);
+    lora_product_call(L, lora_product(L, e->last, LORA_GATE_UP, BF16), s->n, m, hid,
+                      e->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, e->down, hid,
+                      s->inter, 0);
+    lora_product_call(L, lora_product(L, e->last, LORA_DOWN, BF16), s->y, m, s->inter, e->down,
+                      hid, s->inter, NULL, s->x, hid, 0, BF16, NULL, 0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
         add_rms_norm_row(hr, s->x, e->final_norm, tl->out, r, hid, s->eps, BF16);

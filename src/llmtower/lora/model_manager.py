@@ -111,7 +111,7 @@ class LoRAModelManager:
             self.adapters.move_to_end(i)
         if self._stack is None or self._stack.ids != ids:
             self._stack = StackedLoRA([self.adapters[i] for i in ids], self.shape.num_layers,
-                                      self.dtype)
+                                      self.dtype, self.shape.dims)
         slot = np.searchsorted(active, token_lora_ids)
         slot[token_lora_ids <= 0] = -1
         return LoRAStep(self._stack, slot.astype(np.int64))
