@@ -99,70 +99,108 @@ static inline __attribute__((always_inline)) void product(
     }
 }
 
-/* x . y over k floats (one vector accumulator, then the lanes). */
-static inline float lora_dot(const float *x, const float *y, int64_t k) {
-    vf acc = vf_zero();
-    int64_t i = 0;
-    for (; i + VEC_LANES <= k; i += VEC_LANES) acc = vf_fma(vf_load(x + i), vf_load(y + i), acc);
-    float sum = vf_reduce_add(acc);
-    for (; i < k; i++) sum += x[i] * y[i];
-    return sum;
+/* Two rows' dot products with four rows of A (A rows k apart): s0[v] = x0 . a_v, s1[v] =
+ * x1 . a_v (s1 NULL: x1 is x0 again, not stored); eight independent vector accumulators. */
+static inline void lora_dot_2x4(const float *x0, const float *x1, const float *a, int64_t k,
+                                float *s0, float *s1) {
+    vf c0[4], c1[4];
+    for (int v = 0; v < 4; v++) c0[v] = c1[v] = vf_zero();
+    int64_t kk = 0;
+    for (; kk + VEC_LANES <= k; kk += VEC_LANES) {
+        const vf xa = vf_load(x0 + kk), xb = vf_load(x1 + kk);
+        for (int v = 0; v < 4; v++) {
+            const vf w = vf_load(a + v * k + kk);
+            c0[v] = vf_fma(xa, w, c0[v]);
+            c1[v] = vf_fma(xb, w, c1[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) {
+        float t0 = vf_reduce_add(c0[v]), t1 = vf_reduce_add(c1[v]);
+        for (int64_t i = kk; i < k; i++) {
+            t0 += x0[i] * a[v * k + i];
+            t1 += x1[i] * a[v * k + i];
+        }
+        s0[v] = t0;
+        if (s1) s1[v] = t1;
+    }
 }
 
-/* Columns of B per expand job (its r x LORA_COLS block stays in L1 across the slot's rows). */
-#define LORA_COLS 128
+/* Two rows' expand over `nv` (1..4) vectors of columns: d0/d1[c..] = sum_j s0/s1[j] * b[j][c..]
+ * (b rows np apart; d1 NULL: not stored). */
+static inline __attribute__((always_inline)) void lora_expand_2(
+        const float *s0, const float *s1, const float *b, int64_t np, int64_t r, int nv,
+        float *d0, float *d1) {
+    vf c0[4], c1[4];
+    for (int v = 0; v < 4; v++) c0[v] = c1[v] = vf_zero();
+    for (int64_t j = 0; j < r; j++) {
+        const vf xa = vf_set1(s0[j]), xb = vf_set1(s1[j]);
+        for (int v = 0; v < nv; v++) {
+            const vf w = vf_load(b + j * np + v * VEC_LANES);
+            c0[v] = vf_fma(xa, w, c0[v]);
+            c1[v] = vf_fma(xb, w, c1[v]);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        vf_store(d0 + v * VEC_LANES, c0[v]);
+        if (d1) vf_store(d1 + v * VEC_LANES, c1[v]);
+    }
+}
+
+/* Part p of product P for slot sl's rows: their shrink s[., p*r ..] = x . A_p.T, then their
+ * expand d[., cols of p] = s . B_p.T, two rows at a time (the part's A and B stay in cache
+ * across the slot's rows). */
+static void lora_part(const LoraRows *L, const LoraProduct *P, int64_t sl, int64_t p,
+                      const float *x, int64_t ldx, int64_t k) {
+    const int64_t r = P->r, rr = P->nparts * r, n = P->cols[P->nparts];
+    const int64_t np = P->cols[p + 1] - P->cols[p];
+    const float *a = P->a + (sl * rr + p * r) * k;      /* [r][k] */
+    const float *b = P->b + sl * r * n + r * P->cols[p]; /* [r][np] */
+    for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i += 2) {
+        const int two = i + 1 < L->starts[sl + 1];
+        const float *x0 = x + L->rows[i] * ldx, *x1 = two ? x + L->rows[i + 1] * ldx : x0;
+        float *s0 = L->s + i * L->ld_s + p * r, *s1 = two ? s0 + L->ld_s : NULL;
+        int64_t j = 0;
+        for (; j + 4 <= r; j += 4) lora_dot_2x4(x0, x1, a + j * k, k, s0 + j, s1 ? s1 + j : NULL);
+        for (; j < r; j++) {
+            float t0 = 0.0f, t1 = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                t0 += x0[kk] * a[j * k + kk];
+                t1 += x1[kk] * a[j * k + kk];
+            }
+            s0[j] = t0;
+            if (s1) s1[j] = t1;
+        }
+        const float *e1 = s1 ? s1 : s0;
+        float *d0 = L->d + i * L->ld_d + P->cols[p], *d1 = two ? d0 + L->ld_d : NULL;
+        int64_t c = 0;
+        for (; c + 4 * VEC_LANES <= np; c += 4 * VEC_LANES)
+            lora_expand_2(s0, e1, b + c, np, r, 4, d0 + c, d1 ? d1 + c : NULL);
+        for (; c + VEC_LANES <= np; c += VEC_LANES)
+            lora_expand_2(s0, e1, b + c, np, r, 1, d0 + c, d1 ? d1 + c : NULL);
+        for (; c < np; c++) {
+            float t0 = 0.0f, t1 = 0.0f;
+            for (int64_t jj = 0; jj < r; jj++) {
+                t0 += s0[jj] * b[jj * np + c];
+                t1 += e1[jj] * b[jj * np + c];
+            }
+            d0[c] = t0;
+            if (d1) d1[c] = t1;
+        }
+    }
+}
 
 /* The LoRA deltas of product P for the rows of L, into L->d (row index[i], columns 0..n):
- * shrink s = x . A.T (each row with its slot's A), then expand d = s . B.T per part, each
- * phase shared by the region's threads (a barrier after each). x [t, k] rows ldx apart.
- * Returns the terms for the product's epilogue (f32_addend). */
+ * each (slot, part) one job of the region's threads, a barrier after them. x [t, k] rows ldx
+ * apart. Returns the terms for the product's epilogue (f32_addend). */
 static const F32Addend *lora_delta(const LoraRows *L, const LoraProduct *P, const float *x,
                                    int64_t ldx, int64_t k, int silu, F32Addend *add) {
-    const int64_t rr = P->nparts * P->r, n = P->cols[P->nparts];
 #pragma omp for schedule(static)
-    for (int64_t job = 0; job < L->slots * rr; job++) {
-        const int64_t sl = job / rr, j = job % rr;
-        const float *a = P->a + (sl * rr + j) * k;
-        for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i++)
-            L->s[i * L->ld_s + j] = lora_dot(x + L->rows[i] * ldx, a, k);
-    }
-    int64_t per_slot = 0; /* expand jobs of one slot: each part's columns in LORA_COLS chunks */
-    for (int64_t p = 0; p < P->nparts; p++)
-        per_slot += (P->cols[p + 1] - P->cols[p] + LORA_COLS - 1) / LORA_COLS;
-#pragma omp for schedule(static)
-    for (int64_t job = 0; job < L->slots * per_slot; job++) {
-        const int64_t sl = job / per_slot;
-        int64_t c = job % per_slot, p = 0, off = 0; /* chunk c of the slot -> part p, offset */
-        for (;; p++) {
-            const int64_t chunks = (P->cols[p + 1] - P->cols[p] + LORA_COLS - 1) / LORA_COLS;
-            if (c < chunks) break;
-            c -= chunks;
-            off += P->r * (P->cols[p + 1] - P->cols[p]);
-        }
-        const int64_t np = P->cols[p + 1] - P->cols[p], c0 = c * LORA_COLS;
-        const int64_t c1 = c0 + LORA_COLS < np ? c0 + LORA_COLS : np;
-        const float *b = P->b + sl * P->r * n + off; /* [r][np] */
-        for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i++) {
-            const float *sr = L->s + i * L->ld_s + p * P->r;
-            float *dr = L->d + i * L->ld_d + P->cols[p];
-            int64_t col = c0;
-            for (; col + VEC_LANES <= c1; col += VEC_LANES) {
-                vf acc = vf_zero();
-                for (int64_t j = 0; j < P->r; j++)
-                    acc = vf_fma(vf_set1(sr[j]), vf_load(b + j * np + col), acc);
-                vf_store(dr + col, acc);
-            }
-            for (; col < c1; col++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < P->r; j++) acc += sr[j] * b[j * np + col];
-                dr[col] = acc;
-            }
-        }
-    }
+    for (int64_t job = 0; job < L->slots * P->nparts; job++)
+        lora_part(L, P, job / P->nparts, job % P->nparts, x, ldx, k);
     add->d = L->d;
     add->index = L->index;
     add->ld = L->ld_d;
-    add->half = silu ? n / 2 : 0;
+    add->half = silu ? P->cols[P->nparts] / 2 : 0;
     return add;
 }
 
