@@ -16,6 +16,8 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 3  # preempted by recompute: back in `waiting` with no KV blocks
     # Admitted, outside `waiting` until its grammar has compiled (structured outputs).
     WAITING_FOR_GRAMMAR = 4
+    # Admitted, outside `waiting` until its LoRA adapter has been read (core/sched/adapter_wait.py).
+    WAITING_FOR_ADAPTER = 5
     # Every status from here on is final.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11

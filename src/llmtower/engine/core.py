@@ -42,6 +42,10 @@ class EngineCore:
         self.last_step_num_tokens = 0  # scheduled tokens of the last step (for metrics)
         self.last_schedule_seconds = 0.0  # schedule() alone, of the last step
         self.preloads = PreloadTracker(scheduler)  # llmtower preload / --preload-prompts
+        # LoRA: a request's adapter is read on the executor's background thread while the
+        # request waits in the scheduler (core/sched/adapter_wait.py).
+        if hasattr(executor, "start_lora_load"):
+            scheduler.adapter_loads = executor  # type: ignore[assignment]
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Raises AdmissionError / QueueFullError / ValueError; the request is then not queued."""
@@ -50,7 +54,7 @@ class EngineCore:
             # step N+1 is scheduled.
             raise ValueError("structured outputs are not supported with --async-scheduling "
                              "(async_scheduling=True): run the engine without it to use them")
-        if req.lora_request is not None:
+        if req.lora_request is not None and self.scheduler.adapter_loads is None:
             self.add_lora(req.lora_request)  # checked (and read) before the request queues
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,

@@ -73,13 +73,28 @@ class CPUExecutor:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load (and check) an adapter now; False where it was held already. Raises
         ValueError when LoRA is off or the adapter cannot be served."""
+        mgr = self._lora_manager()
+        held = lora_request.lora_int_id in mgr.adapters
+        mgr.load(lora_request)
+        return not held
+
+    def start_lora_load(self, lora_request: LoRARequest) -> bool:
+        """True when the adapter is in memory; else it is read in the background (the
+        scheduler's ``AdapterLoads``, core/sched/adapter_wait.py)."""
+        return self._lora_manager().start_load(lora_request)
+
+    def collect_lora_loads(self, wait_s: float = 0.0) -> bool:
+        return self._lora_manager().collect_loads(wait_s)
+
+    def lora_load_state(self, lora_request: LoRARequest) -> bool | str | None:
+        return self._lora_manager().load_state(lora_request)
+
+    def _lora_manager(self) -> LoRAModelManager:
         mgr = self.runner.lora
         if mgr is None:
             raise ValueError("LoRA is not enabled: start the engine with --enable-lora "
                              "(enable_lora=True) to serve adapters")
-        held = lora_request.lora_int_id in mgr.adapters
-        mgr.load(lora_request)
-        return not held
+        return mgr
 
     def remove_lora(self, lora_id: int) -> bool:
         mgr = self.runner.lora
@@ -95,4 +110,5 @@ class CPUExecutor:
         self.runner.batch.remap_block_ids(moves)
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.lora is not None:  # reads in flight are dropped
+            self.runner.lora.loader.shutdown()

@@ -33,10 +33,37 @@
 /* Whether decode_layers prefetches the next attention's K/V during the float32 products. */
 int decode_layer_prefetch_kv = 1;
 
-/* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype). */
+/* One layer's matrices in its dtype's kernel layout and its vectors (the step's dtype);
+ * `layer` its index (the LoRA products of the pair: layer's o, gate_up, down, layer + 1's qkv). */
 typedef struct {
     const void *o, *o_bias, *post_norm, *gate_up, *down, *next_norm, *qkv, *qkv_bias;
+    int64_t layer;
 } DecodeLayerWeights;
+
+/* LoRA (float32): one fused product's low-rank matrices in one layer for every adapter of the
+ * step's active set (slot s). Part p (q, k, v of qkv; gate, up of a silu pair; the whole of o
+ * or down) owns rank rows p*r .. p*r + r - 1 of each slot's A and output columns cols[p] ..
+ * cols[p + 1] (cols[nparts] = n; a silu pair's gate 0..inter, up inter..2*inter, as in
+ * F32Addend). a NULL: no adapter of the set targets this product. */
+typedef struct {
+    const float *a; /* [slots][nparts * r][k]: A (rank rows of zero past an adapter's rank) */
+    const float *b; /* [slots][part p][r][cols[p+1] - cols[p]]: B.T (scaling folded in) */
+    int64_t nparts, r;
+    int64_t cols[4];
+} LoraProduct;
+
+/* LoRA: a step's (or its sampled rows') adapter rows, grouped by slot: rows[starts[s] ..
+ * starts[s + 1]) use slot s; index[row] is a row's position in `rows` (its row of s and d),
+ * -1 for a row without an adapter. s and d: work buffers [count, ld_s] and [count, ld_d]. */
+typedef struct {
+    const LoraProduct *products; /* [layers][4]: qkv, o, gate_up, down */
+    const int64_t *rows, *starts, *index;
+    int64_t slots;
+    float *s, *d;
+    int64_t ld_s, ld_d;
+} LoraRows;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PRODUCTS };
 
 /* What every layer of one step shares: shapes, dtype, rotary tables, indices and work
  * buffers. */
@@ -48,6 +75,7 @@ typedef struct {
     const void *cos, *sin;
     const int64_t *positions, *slots;
     void *x, *n, *y, *qkv, *q_out; /* [t, hidden] x 2, [t, inter], [t, qkv], [t, nh * d] */
+    const LoraRows *lora; /* float32 only; NULL: no row has an adapter */
 } DecodeStep;
 
 /* Whether the products of a dtype have their fast code here (bf16: AVX512_BF16; float32:
@@ -71,26 +99,154 @@ static inline __attribute__((always_inline)) void product(
     }
 }
 
+/* Two rows' dot products with four rows of A (A rows k apart): s0[v] = x0 . a_v, s1[v] =
+ * x1 . a_v (s1 NULL: x1 is x0 again, not stored); eight independent vector accumulators. */
+static inline void lora_dot_2x4(const float *x0, const float *x1, const float *a, int64_t k,
+                                float *s0, float *s1) {
+    vf c0[4], c1[4];
+    for (int v = 0; v < 4; v++) c0[v] = c1[v] = vf_zero();
+    int64_t kk = 0;
+    for (; kk + VEC_LANES <= k; kk += VEC_LANES) {
+        const vf xa = vf_load(x0 + kk), xb = vf_load(x1 + kk);
+        for (int v = 0; v < 4; v++) {
+            const vf w = vf_load(a + v * k + kk);
+            c0[v] = vf_fma(xa, w, c0[v]);
+            c1[v] = vf_fma(xb, w, c1[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) {
+        float t0 = vf_reduce_add(c0[v]), t1 = vf_reduce_add(c1[v]);
+        for (int64_t i = kk; i < k; i++) {
+            t0 += x0[i] * a[v * k + i];
+            t1 += x1[i] * a[v * k + i];
+        }
+        s0[v] = t0;
+        if (s1) s1[v] = t1;
+    }
+}
+
+/* Two rows' expand over `nv` (1..4) vectors of columns: d0/d1[c..] = sum_j s0/s1[j] * b[j][c..]
+ * (b rows np apart; d1 NULL: not stored). */
+static inline __attribute__((always_inline)) void lora_expand_2(
+        const float *s0, const float *s1, const float *b, int64_t np, int64_t r, int nv,
+        float *d0, float *d1) {
+    vf c0[4], c1[4];
+    for (int v = 0; v < 4; v++) c0[v] = c1[v] = vf_zero();
+    for (int64_t j = 0; j < r; j++) {
+        const vf xa = vf_set1(s0[j]), xb = vf_set1(s1[j]);
+        for (int v = 0; v < nv; v++) {
+            const vf w = vf_load(b + j * np + v * VEC_LANES);
+            c0[v] = vf_fma(xa, w, c0[v]);
+            c1[v] = vf_fma(xb, w, c1[v]);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        vf_store(d0 + v * VEC_LANES, c0[v]);
+        if (d1) vf_store(d1 + v * VEC_LANES, c1[v]);
+    }
+}
+
+/* Part p of product P for slot sl's rows: their shrink s[., p*r ..] = x . A_p.T, then their
+ * expand d[., cols of p] = s . B_p.T, two rows at a time (the part's A and B stay in cache
+ * across the slot's rows). */
+static void lora_part(const LoraRows *L, const LoraProduct *P, int64_t sl, int64_t p,
+                      const float *x, int64_t ldx, int64_t k) {
+    const int64_t r = P->r, rr = P->nparts * r, n = P->cols[P->nparts];
+    const int64_t np = P->cols[p + 1] - P->cols[p];
+    const float *a = P->a + (sl * rr + p * r) * k;      /* [r][k] */
+    const float *b = P->b + sl * r * n + r * P->cols[p]; /* [r][np] */
+    for (int64_t i = L->starts[sl]; i < L->starts[sl + 1]; i += 2) {
+        const int two = i + 1 < L->starts[sl + 1];
+        const float *x0 = x + L->rows[i] * ldx, *x1 = two ? x + L->rows[i + 1] * ldx : x0;
+        float *s0 = L->s + i * L->ld_s + p * r, *s1 = two ? s0 + L->ld_s : NULL;
+        int64_t j = 0;
+        for (; j + 4 <= r; j += 4) lora_dot_2x4(x0, x1, a + j * k, k, s0 + j, s1 ? s1 + j : NULL);
+        for (; j < r; j++) {
+            float t0 = 0.0f, t1 = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                t0 += x0[kk] * a[j * k + kk];
+                t1 += x1[kk] * a[j * k + kk];
+            }
+            s0[j] = t0;
+            if (s1) s1[j] = t1;
+        }
+        const float *e1 = s1 ? s1 : s0;
+        float *d0 = L->d + i * L->ld_d + P->cols[p], *d1 = two ? d0 + L->ld_d : NULL;
+        int64_t c = 0;
+        for (; c + 4 * VEC_LANES <= np; c += 4 * VEC_LANES)
+            lora_expand_2(s0, e1, b + c, np, r, 4, d0 + c, d1 ? d1 + c : NULL);
+        for (; c + VEC_LANES <= np; c += VEC_LANES)
+            lora_expand_2(s0, e1, b + c, np, r, 1, d0 + c, d1 ? d1 + c : NULL);
+        for (; c < np; c++) {
+            float t0 = 0.0f, t1 = 0.0f;
+            for (int64_t jj = 0; jj < r; jj++) {
+                t0 += s0[jj] * b[jj * np + c];
+                t1 += e1[jj] * b[jj * np + c];
+            }
+            d0[c] = t0;
+            if (d1) d1[c] = t1;
+        }
+    }
+}
+
+/* The LoRA deltas of product P for the rows of L, into L->d (row index[i], columns 0..n):
+ * each (slot, part) one job of the region's threads, a barrier after them. x [t, k] rows ldx
+ * apart. Returns the terms for the product's epilogue (f32_addend). */
+static const F32Addend *lora_delta(const LoraRows *L, const LoraProduct *P, const float *x,
+                                   int64_t ldx, int64_t k, int silu, F32Addend *add) {
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < L->slots * P->nparts; job++)
+        lora_part(L, P, job / P->nparts, job % P->nparts, x, ldx, k);
+    add->d = L->d;
+    add->index = L->index;
+    add->ld = L->ld_d;
+    add->half = silu ? P->cols[P->nparts] / 2 : 0;
+    return add;
+}
+
+/* The LoRA product `which` of layer `layer` (NULL: no rows, bfloat16, or no adapter on it). */
+static inline const LoraProduct *lora_product(const LoraRows *L, int64_t layer, int which,
+                                              const int BF16) {
+    if (BF16 || !L) return NULL;
+    const LoraProduct *P = &L->products[layer * LORA_PRODUCTS + which];
+    return P->a ? P : NULL;
+}
+
+/* product() with the LoRA deltas of P (or none) added to its sums. */
+static inline __attribute__((always_inline)) void lora_product_call(
+        const LoraRows *L, const LoraProduct *P, const void *x, int64_t m, int64_t ldx,
+        const void *w, int64_t n, int64_t k, const void *bias, void *out, int64_t ldo,
+        int silu, const int BF16, const void *after, int64_t an, int64_t ak, int asilu) {
+    F32Addend add;
+    if (P) f32_addend = lora_delta(L, P, x, ldx, k, silu, &add);
+    product(x, m, ldx, w, n, k, bias, out, ldo, silu, BF16, after, an, ak, asilu);
+    f32_addend = NULL;
+}
+
 /* The layer's phases, run by every thread of the region (BF16 a constant in each caller). */
 static inline __attribute__((always_inline)) void layer_body(
         const DecodeLayerWeights *w, const DecodeStep *s, void *h, const void *attn_out,
         int64_t attn_stride, void *k_cache, void *v_cache, const int BF16) {
     const int64_t t = s->t, hid = s->hidden, qd = s->nh * s->d;
     const int64_t qkv_n = (s->nh + 2 * s->nkv) * s->d;
-    product(attn_out, t, attn_stride, w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16,
-            w->gate_up, s->inter, hid, 1);
+    const LoraRows *L = s->lora;
+    lora_product_call(L, lora_product(L, w->layer, LORA_O, BF16), attn_out, t, attn_stride,
+                      w->o, hid, qd, w->o_bias, s->x, hid, 0, BF16, w->gate_up, s->inter, hid,
+                      1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->post_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16,
-            w->down, hid, s->inter, 0);
-    product(s->y, t, s->inter, w->down, hid, s->inter, NULL, s->x, hid, 0, BF16,
-            w->qkv, qkv_n, hid, 0);
+    lora_product_call(L, lora_product(L, w->layer, LORA_GATE_UP, BF16), s->n, t, hid,
+                      w->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, w->down, hid,
+                      s->inter, 0);
+    lora_product_call(L, lora_product(L, w->layer, LORA_DOWN, BF16), s->y, t, s->inter,
+                      w->down, hid, s->inter, NULL, s->x, hid, 0, BF16, w->qkv, qkv_n, hid, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, s->x, w->next_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, w->qkv, qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16,
-            NULL, 0, 0, 0); /* the attention's KV reads come between it and the next o */
+    /* the attention's KV reads come between it and the next o */
+    lora_product_call(L, lora_product(L, w->layer + 1, LORA_QKV, BF16), s->n, t, hid, w->qkv,
+                      qkv_n, hid, w->qkv_bias, s->qkv, qkv_n, 0, BF16, NULL, 0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
@@ -229,6 +385,7 @@ typedef struct {
     const void *o, *o_bias, *post_norm, *gate_up, *down, *final_norm;
     const void *head; /* [vocab, hidden] in the kernel layout, or NULL: Python's */
     int64_t vocab;
+    int64_t last; /* the last layer's index (its LoRA products) */
 } DecodeEnds;
 
 /* One step's sampled rows (the step's logits_indices) and where their results go. */
@@ -239,6 +396,7 @@ typedef struct {
     void *out;                /* [m, hidden]: the final norm's rows */
     void *logits_bf16;        /* [m, vocab] the output layer's bfloat16 results (bf16 head) */
     float *logits;            /* [m, vocab] those as float32 (head only) */
+    const LoraRows *lora;     /* the sampled rows' adapters (rows 0..m-1), or NULL: none */
 } DecodeTail;
 
 /* Layer 0 up to its attention: n = input_norm * rmsnorm(h), its qkv, RoPE, K/V written, q to
@@ -250,8 +408,9 @@ static inline __attribute__((always_inline)) void first_body(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         add_rms_norm_row(h, NULL, e->first_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, t, hid, e->first_qkv, qkv_n, hid, e->first_qkv_bias, s->qkv, qkv_n, 0, BF16,
-            NULL, 0, 0, 0);
+    lora_product_call(s->lora, lora_product(s->lora, 0, LORA_QKV, BF16), s->n, t, hid,
+                      e->first_qkv, qkv_n, hid, e->first_qkv_bias, s->qkv, qkv_n, 0, BF16, NULL,
+                      0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < t; r++)
         rope_kv_row(s->qkv, qkv_n, r, s->nh, s->nkv, s->d, s->cos, s->sin, s->positions,
@@ -279,14 +438,17 @@ static inline __attribute__((always_inline)) void last_body(
         ao = tl->attn_rows;
         hr = tl->h_rows;
     }
-    product(ao, m, qd, e->o, hid, qd, e->o_bias, s->x, hid, 0, BF16, e->gate_up, s->inter, hid,
-            1);
+    const LoraRows *L = tl->lora;
+    lora_product_call(L, lora_product(L, e->last, LORA_O, BF16), ao, m, qd, e->o, hid, qd,
+                      e->o_bias, s->x, hid, 0, BF16, e->gate_up, s->inter, hid, 1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
         add_rms_norm_row(hr, s->x, e->post_norm, s->n, r, hid, s->eps, BF16);
-    product(s->n, m, hid, e->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, e->down, hid,
-            s->inter, 0);
-    product(s->y, m, s->inter, e->down, hid, s->inter, NULL, s->x, hid, 0, BF16, NULL, 0, 0, 0);
+    lora_product_call(L, lora_product(L, e->last, LORA_GATE_UP, BF16), s->n, m, hid,
+                      e->gate_up, s->inter, hid, NULL, s->y, s->inter, 1, BF16, e->down, hid,
+                      s->inter, 0);
+    lora_product_call(L, lora_product(L, e->last, LORA_DOWN, BF16), s->y, m, s->inter, e->down,
+                      hid, s->inter, NULL, s->x, hid, 0, BF16, NULL, 0, 0, 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
         add_rms_norm_row(hr, s->x, e->final_norm, tl->out, r, hid, s->eps, BF16);

@@ -46,10 +46,31 @@ PREFETCH_KV = True
 
 
 class DecodeLayerWeights(ctypes.Structure):
-    """One layer's matrices (the decode-step kernel's packed copies) and vectors, by address."""
+    """One layer's matrices (the decode-step kernel's packed copies) and vectors, by address,
+    and its index (its LoRA products)."""
 
     _fields_ = [(n, _P) for n in ("o", "o_bias", "post_norm", "gate_up", "down", "next_norm",
-                                  "qkv", "qkv_bias")]
+                                  "qkv", "qkv_bias")] + [("layer", ctypes.c_int64)]
+
+
+class LoraProduct(ctypes.Structure):
+    """One fused product's LoRA matrices in one layer for a set of adapters (see
+    decode_layer.c): A [slots, parts * r, k], B.T per slot and part [r, part's columns]."""
+
+    _fields_ = [("a", _P), ("b", _P), ("nparts", ctypes.c_int64), ("r", ctypes.c_int64),
+                ("cols", ctypes.c_int64 * 4)]
+
+
+class LoraRows(ctypes.Structure):
+    """A step's adapter rows grouped by slot, each row's place among them, work buffers."""
+
+    _fields_ = [("products", _P), ("rows", _P), ("starts", _P), ("index", _P),
+                ("slots", ctypes.c_int64), ("s", _P), ("d", _P), ("ld_s", ctypes.c_int64),
+                ("ld_d", ctypes.c_int64)]
+
+
+# The fused products a layer's LoRA hooks follow, in decode_layer.c's order (LORA_QKV ..).
+LORA_PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 
 class DecodeStep(ctypes.Structure):
@@ -59,7 +80,7 @@ class DecodeStep(ctypes.Structure):
                 ("nh", ctypes.c_int64), ("nkv", ctypes.c_int64), ("d", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("num_threads", ctypes.c_int), ("bf16", ctypes.c_int),
                 ("cos", _P), ("sin", _P), ("positions", _P), ("slots", _P),
-                ("x", _P), ("n", _P), ("y", _P), ("qkv", _P), ("q_out", _P)]
+                ("x", _P), ("n", _P), ("y", _P), ("qkv", _P), ("q_out", _P), ("lora", _P)]
 
 
 class DecodeAttention(ctypes.Structure):
@@ -77,14 +98,14 @@ class DecodeEnds(ctypes.Structure):
 
     _fields_ = [(n, _P) for n in ("first_norm", "first_qkv", "first_qkv_bias", "o", "o_bias",
                                   "post_norm", "gate_up", "down", "final_norm", "head")] \
-        + [("vocab", ctypes.c_int64)]
+        + [("vocab", ctypes.c_int64), ("last", ctypes.c_int64)]
 
 
 class DecodeTail(ctypes.Structure):
     """One step's sampled rows and the buffers of their results."""
 
     _fields_ = [("rows", _P), ("m", ctypes.c_int64), ("h_rows", _P), ("attn_rows", _P),
-                ("out", _P), ("logits_bf16", _P), ("logits", _P)]
+                ("out", _P), ("logits_bf16", _P), ("logits", _P), ("lora", _P)]
 
 
 # paged_attention.py's declaration of paged_decode that decode_layer.c calls by address;
@@ -152,7 +173,8 @@ class DecodeLayers:
             raise ValueError(f"the fused decode layer needs an even head_dim, not {head_dim}")
         self._keep = list(layers)  # the tensors whose addresses the structs hold
         n = len(self._keep)
-        self._weights = (DecodeLayerWeights * n)(*(self._describe(p) for p in layers))
+        self._weights = (DecodeLayerWeights * n)(*(self._describe(p, i)
+                                                    for i, p in enumerate(layers)))
         size = ctypes.sizeof(DecodeLayerWeights)
         self._weight_ptrs = [ctypes.addressof(self._weights) + i * size for i in range(n)]
         self._layers_fn = lib.decode_layers
@@ -176,8 +198,11 @@ class DecodeLayers:
         self._tail_ptr = ctypes.addressof(self._tail)
         self._scratch = torch.empty(0, dtype=dtype)
         self._scratch_rows = 0
+        self._lora: LoRARows | None = None  # this step's adapter rows
+        self._lora_checked: LoRAProducts | None = None
+        self._tail_lora: LoRARows | None = None  # the sampled rows' (kept for the call)
 
-    def _describe(self, p: LayerParts) -> DecodeLayerWeights:
+    def _describe(self, p: LayerParts, index: int) -> DecodeLayerWeights:
         h, i, qd = self.hidden, self.inter, self.nh * self.d
         want = ((p.o, h, qd, False), (p.gate_up, i, h, True), (p.down, h, i, False),
                 (p.qkv, self.qkv_n, h, False))
@@ -187,7 +212,7 @@ class DecodeLayers:
         return DecodeLayerWeights(
             p.o.packed.data_ptr(), _ptr(p.o_bias), p.post_norm.data_ptr(),
             p.gate_up.packed.data_ptr(), p.down.packed.data_ptr(), p.next_norm.data_ptr(),
-            p.qkv.packed.data_ptr(), _ptr(p.qkv_bias))
+            p.qkv.packed.data_ptr(), _ptr(p.qkv_bias), index)
 
     def _check_matrices(self, want: Sequence[tuple[Any, int, int, bool]]) -> None:
         for g, n, k, pair in want:
@@ -220,7 +245,7 @@ class DecodeLayers:
             e.o.packed.data_ptr(), _ptr(e.o_bias), e.post_norm.data_ptr(),
             e.gate_up.packed.data_ptr(), e.down.packed.data_ptr(), e.final_norm.data_ptr(),
             None if e.head is None else e.head.packed.data_ptr(),
-            0 if e.head is None else e.head.n)
+            0 if e.head is None else e.head.n, len(self._keep))
 
     @property
     def whole_steps(self) -> bool:
@@ -285,6 +310,12 @@ class DecodeLayers:
         out = torch.empty(m, self.hidden, dtype=self.dtype)
         logits = torch.empty(m, self.vocab, dtype=torch.float32) if head else None
         tl = self._tail
+        tl.lora = None
+        if self._lora is not None:
+            tail = self._lora if m == t and bool((rows == torch.arange(t)).all()) \
+                else self._lora.select(rows)
+            self._tail_lora = tail
+            tl.lora = tail.ptr
         tl.rows, tl.m = rows.data_ptr(), m
         tl.h_rows, tl.attn_rows = sc, sc + offs[1] * es
         tl.out = out.data_ptr()
@@ -304,16 +335,25 @@ class DecodeLayers:
             return logits, True
         return out, False
 
+    @property
+    def takes_lora(self) -> bool:
+        """Whether steps with LoRA rows can run here (float32: the hooks are in its products)."""
+        return self.dtype == torch.float32
+
     def begin_step(self, t: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor) -> None:
+                   slots: torch.Tensor, lora: LoRARows | None = None) -> None:
         """Buffers and shared values of a step of ``t`` rows (positions and slots checked by
         the caller, as for ``FusedOps``; cos / sin: the full-width rotary tables in the
-        model's dtype)."""
+        model's dtype). ``lora``: the step's adapter rows (float32; None: no row has one)."""
         if cos.dtype != self.dtype or sin.dtype != self.dtype:
             raise TypeError(f"fused decode layer: the rotary tables must be {self.dtype}")
         if t < 1 or t > MAX_ROWS:
             raise ValueError(f"fused decode layer: a step of {t} rows (1 to {MAX_ROWS})")
         s = self._step
+        if lora is not None:
+            self._check_lora(lora, t)
+        self._lora = lora
+        s.lora = None if lora is None else lora.ptr
         s.num_threads = torch.get_num_threads()
         s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
         if t == s.t and self._step_tensors[0] is cos and self._step_tensors[1] is sin:
@@ -332,6 +372,28 @@ class DecodeLayers:
         self._q = q
         self._v = qkv[:, (self.nh + self.nkv) * self.d:].view(t, self.nkv, self.d)
         self._attn.out = self._out.data_ptr()
+
+    def _check_lora(self, lora: LoRARows, t: int) -> None:
+        """The adapter rows fit this step and the products fit these layers (once per set)."""
+        if not self.takes_lora:
+            raise ValueError(f"fused decode layer: no LoRA hooks in {self.dtype} steps")
+        if lora.num_rows != t:
+            raise ValueError(f"fused decode layer: adapter rows for {lora.num_rows} rows in a "
+                             f"step of {t}")
+        p = lora.products
+        if p is self._lora_checked:
+            return
+        h, i, qd = self.hidden, self.inter, self.nh * self.d
+        want = {"qkv": (h, [qd, self.nkv * self.d, self.nkv * self.d]), "o": (qd, [h]),
+                "gate_up": (h, [i, i]), "down": (i, [h])}
+        if p.num_layers != len(self._keep) + 1:
+            raise ValueError(f"fused decode layer: LoRA matrices for {p.num_layers} layers, "
+                             f"the model has {len(self._keep) + 1}")
+        for group, (k, sizes) in p.shapes.items():
+            if (k, sizes) != want[group]:
+                raise ValueError(f"fused decode layer: LoRA {group} matrices take {k} inputs "
+                                 f"to {sizes} outputs, the layer's {want[group]}")
+        self._lora_checked = p
 
     @property
     def attends(self) -> bool:
@@ -429,3 +491,73 @@ class EndParts:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class LoRAProducts:
+    """Owns the C description (``LoraProduct`` per layer and fused product) of one set of
+    active adapters' float32 matrices, stacked by ``lora/punica.py``'s StackedLoRA: per
+    targeted product ``a`` [layers, slots, parts * rank, in], ``b`` [layers, slots, each
+    part's B.T [rank, out] flattened in turn] and the parts' output sizes."""
+
+    def __init__(self, num_layers: int, slots: int, rank: int,
+                 groups: dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
+        self.num_layers, self.slots, self.rank = num_layers, slots, rank
+        self._keep = groups
+        self._array = (LoraProduct * (num_layers * len(LORA_PRODUCTS)))()
+        self.shapes: dict[str, tuple[int, list[int]]] = {}
+        self.ld_s = self.ld_d = 1
+        for group, (a, b, sizes) in groups.items():
+            which = LORA_PRODUCTS.index(group)
+            k = a.shape[-1]
+            rr, n = rank * len(sizes), sum(sizes)
+            if a.dtype != torch.float32 or b.dtype != torch.float32 or not a.is_contiguous() \
+                    or not b.is_contiguous() or tuple(a.shape) != (num_layers, slots, rr, k) \
+                    or tuple(b.shape) != (num_layers, slots, rank * n) or len(sizes) > 3:
+                raise ValueError(f"LoRA {group}: A must be contiguous float32 "
+                                 f"[{num_layers}, {slots}, {rr}, in], B [{num_layers}, {slots}, "
+                                 f"{rank * n}], at most 3 parts")
+            cols = [0]
+            for size in sizes:
+                cols.append(cols[-1] + size)
+            cols += [n] * (4 - len(cols))
+            for layer in range(num_layers):
+                self._array[layer * len(LORA_PRODUCTS) + which] = LoraProduct(
+                    a[layer].data_ptr(), b[layer].data_ptr(), len(sizes), rank,
+                    (ctypes.c_int64 * 4)(*cols))
+            self.shapes[group] = (k, list(sizes))
+            self.ld_s, self.ld_d = max(self.ld_s, rr), max(self.ld_d, n)
+        self.ptr = ctypes.addressof(self._array)
+
+    def rows(self, row_slot: torch.Tensor) -> LoRARows:
+        """The C view of a step's rows: ``row_slot`` [rows] int64, each row's slot (-1: none)."""
+        return LoRARows(self, row_slot)
+
+
+class LoRARows:
+    """Owns one step's (or its sampled rows') ``LoraRows``: the rows with an adapter grouped
+    by slot, each row's place among them, and the shrink / expand buffers."""
+
+    def __init__(self, products: LoRAProducts, row_slot: torch.Tensor) -> None:
+        self.products = products
+        self.row_slot = row_slot
+        self.num_rows = row_slot.shape[0]
+        rows = torch.nonzero(row_slot >= 0).flatten()
+        slots = row_slot[rows]
+        slots, order = torch.sort(slots, stable=True)
+        self._rows = rows[order].contiguous()
+        counts = torch.bincount(slots, minlength=products.slots)
+        self._starts = torch.zeros(products.slots + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=self._starts[1:])
+        self._index = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        self._index[self._rows] = torch.arange(len(self._rows))
+        count = max(len(self._rows), 1)
+        self._s = torch.empty(count, products.ld_s)
+        self._d = torch.empty(count, products.ld_d)
+        self._c = LoraRows(products.ptr, self._rows.data_ptr(), self._starts.data_ptr(),
+                           self._index.data_ptr(), products.slots, self._s.data_ptr(),
+                           self._d.data_ptr(), products.ld_s, products.ld_d)
+        self.ptr = ctypes.addressof(self._c)
+
+    def select(self, rows: torch.Tensor) -> LoRARows:
+        """The rows ``rows`` of this step, in that order (the sampled rows)."""
+        return LoRARows(self.products, self.row_slot[rows])

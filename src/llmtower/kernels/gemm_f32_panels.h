@@ -32,9 +32,35 @@
 
 static inline float f32_silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* The finished sums of `rows` rows x 32 columns (acc[r * F32_NP + c]) into out. */
-static void f32_store_tile(const float *acc, int rows, float *out, int64_t ldo, int ncols,
-                       const float *bias, int silu, int path) {
+/* Per-row terms added to a product's sums before its bias or SiLU (the fused decode layer's
+ * LoRA deltas): row i of the product (`index[i]` >= 0) takes d[index[i] * ld + column], the
+ * columns of a plain product as they are, those of a silu pair's gate at 0.., of its up at
+ * half.. (-1: the row takes nothing). */
+typedef struct {
+    const float *d;
+    const int64_t *index;
+    int64_t ld, half;
+} F32Addend;
+
+/* The finished sums of `rows` rows x 32 columns (acc[r * F32_NP + c]) of panel p, rows row0..
+ * of the product, into out (`add`: terms added first, or NULL). */
+static void f32_store_tile(float *acc, int rows, float *out, int64_t ldo, int ncols,
+                       const float *bias, int silu, int path, const F32Addend *add,
+                       int64_t row0, int64_t p) {
+    for (int r = 0; add && r < rows; r++) {
+        const int64_t i = add->index[row0 + r];
+        if (i < 0) continue;
+        float *a = acc + r * F32_NP;
+        const float *d = add->d + i * add->ld;
+        if (silu) {
+            for (int c = 0; c < ncols; c++) {
+                a[c] += d[p * F32_HALF + c];
+                a[F32_HALF + c] += d[add->half + p * F32_HALF + c];
+            }
+        } else {
+            for (int c = 0; c < ncols; c++) a[c] += d[p * F32_NP + c];
+        }
+    }
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * F32_NP;
         float *o = out + r * ldo;
@@ -115,6 +141,8 @@ typedef struct {
     void *state;
 } F32Side;
 static __thread F32Side *f32_side;
+/* Terms the products of this thread add to their sums (NULL: none); set around one product. */
+static __thread const F32Addend *f32_addend;
 
 /* One thread's share: panels p0..p1 over rows 0..m. While its last panel is computed (in the
  * last row chunk), `after_lines` lines at `after` are prefetched: the thread's first panel of
@@ -126,6 +154,7 @@ static void f32_run_panels(const float *x, int64_t m, int64_t ldx, const float *
     const int64_t cols = silu ? F32_HALF : F32_NP;
     const int64_t lines = k * F32_NP * (int64_t)sizeof(float) / 64; /* a panel's cache lines */
     float acc[F32_MR * F32_NP] __attribute__((aligned(64)));
+    const F32Addend *add = f32_addend;
     int64_t chunk = F32_CHUNK_BYTES / (k * (int64_t)sizeof(float));
     if (chunk < F32_MR) chunk = F32_MR;
     const int64_t chunks = (m + chunk - 1) / chunk;
@@ -160,7 +189,7 @@ static void f32_run_panels(const float *x, int64_t m, int64_t ldx, const float *
 #endif
                     f32_tile_portable(xr, ldx, rows, pw, k, acc);
                 f32_store_tile(acc, rows, out + (c0 + r0) * ldo + p * cols, ldo, ncols,
-                               bias ? bias + p * cols : NULL, silu, path);
+                               bias ? bias + p * cols : NULL, silu, path, add, c0 + r0, p);
                 r0 += rows;
             }
         }

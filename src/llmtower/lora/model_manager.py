@@ -1,5 +1,6 @@
-"""The executor's adapters: loaded on first use, kept LRU up to ``max_cpu_loras``, and
-stacked for the step's active set."""
+"""The executor's adapters: read on a background thread when a request first names them
+(``lora/loader.py``), kept LRU up to ``max_cpu_loras``, and stacked for the step's active
+set."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -8,7 +9,8 @@ import numpy as np
 import torch
 
 from llmtower.lora.adapter import LoRAAdapter, LoRAModelShape
-from llmtower.lora.peft_loader import load_peft_adapter
+from llmtower.lora.loader import AdapterLoader
+from llmtower.lora import peft_loader
 from llmtower.lora.punica import LoRAStep, StackedLoRA
 from llmtower.lora.request import LoRARequest
 
@@ -33,6 +35,43 @@ class LoRAModelManager:
         self._users: dict[int, int] = {}  # lora_int_id -> requests in the runner using it
         self._doomed: set[int] = set()  # removed while in use: dropped when released
         self._stack: StackedLoRA | None = None
+        self.loader = AdapterLoader(self.read)
+        self._failed: dict[int, str] = {}  # reads that failed in the last collect_loads
+
+    def read(self, req: LoRARequest) -> LoRAAdapter:
+        """Read and check ``req``'s adapter (any thread: touches nothing of the manager)."""
+        return peft_loader.load_peft_adapter(req.lora_path, req.lora_name, req.lora_int_id,
+                                             self.shape, self.dtype, self.max_lora_rank)
+
+    def start_load(self, req: LoRARequest) -> bool:
+        """True when ``req``'s adapter is held (now marked recently used); else its read
+        starts in the background (once however many requests ask) and ``load_state`` tells
+        when it is done."""
+        if req.lora_int_id in self.adapters:
+            self.adapters.move_to_end(req.lora_int_id)
+            return True
+        self.loader.start(req)
+        return False
+
+    def collect_loads(self, wait_s: float = 0.0) -> bool:
+        """Take in the background reads finished by now (waiting up to ``wait_s`` for one):
+        the adapters join the held ones; failures are kept for ``load_state`` until the next
+        call. Returns whether reads are still under way."""
+        done, self._failed = self.loader.collect(wait_s)
+        for adapter in done:
+            self.add(adapter)
+        return self.loader.busy
+
+    def load_state(self, req: LoRARequest) -> bool | str | None:
+        """After ``collect_loads``: True when the adapter is held, the reason when its read
+        failed, None while it is read (started again if it was evicted meanwhile)."""
+        if req.lora_int_id in self.adapters:
+            return True
+        failed = self._failed.get(req.lora_int_id)
+        if failed is not None:
+            return failed
+        self.loader.start(req)
+        return None
 
     def load(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter of ``req``, read from its folder unless held (then marked recently
@@ -42,8 +81,7 @@ class LoRAModelManager:
         if held is not None:
             self.adapters.move_to_end(req.lora_int_id)
             return held
-        adapter = load_peft_adapter(req.lora_path, req.lora_name, req.lora_int_id, self.shape,
-                                    self.dtype, self.max_lora_rank)
+        adapter = self.read(req)
         self.add(adapter)
         return adapter
 
@@ -111,7 +149,7 @@ class LoRAModelManager:
             self.adapters.move_to_end(i)
         if self._stack is None or self._stack.ids != ids:
             self._stack = StackedLoRA([self.adapters[i] for i in ids], self.shape.num_layers,
-                                      self.dtype)
+                                      self.dtype, self.shape.dims)
         slot = np.searchsorted(active, token_lora_ids)
         slot[token_lora_ids <= 0] = -1
         return LoRAStep(self._stack, slot.astype(np.int64))

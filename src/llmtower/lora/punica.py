@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmtower.kernels.decode_layer import LoRAProducts, LoRARows
 from llmtower.lora.adapter import GROUPS, LoRAAdapter
 
 
@@ -48,32 +49,67 @@ class _GroupStack:
 class StackedLoRA:
     """Owns the stacked matrices of one set of active adapters (slot i = ``adapters[i]``),
     each zero-padded to the set's highest rank; built when the step's set of adapters
-    changes, reused while it stays the same."""
+    changes, reused while it stays the same. Per fused product that some adapter targets,
+    every projection of it is stacked (zeros where an adapter leaves one alone), in the layout
+    the fused C decode layer reads (``kernels/decode_layer.py`` LoRAProducts): ``a[group]``
+    [layers, adapters, projections * rank, in] and ``b[group]`` [layers, adapters, each
+    projection's B.T [rank, out] flattened one after the other]; ``groups`` holds the views
+    the batched torch product takes of them."""
 
-    def __init__(self, adapters: list[LoRAAdapter], num_layers: int, dtype: torch.dtype) -> None:
+    def __init__(self, adapters: list[LoRAAdapter], num_layers: int, dtype: torch.dtype,
+                 dims: dict[str, tuple[int, int]] | None = None) -> None:
         self.ids = tuple(a.int_id for a in adapters)
         self.dtype = dtype
+        self.num_layers = num_layers
         n = len(adapters)
-        r = max(a.rank for a in adapters)
+        self.rank = r = max(a.rank for a in adapters)
         self.groups: dict[str, _GroupStack] = {}
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.out_sizes: dict[str, list[int]] = {}
+        self._decode: LoRAProducts | None = None
         for group, modules in GROUPS.items():
-            targeted = [(k, m) for k, m in enumerate(modules) if any(m in a.a for a in adapters)]
-            if not targeted:
+            if not any(m in a.a for m in modules for a in adapters):
                 continue
-            d_in = next(a.a[m].shape[2] for _, m in targeted for a in adapters if m in a.a)
-            a_all = torch.zeros(num_layers, n, d_in, r * len(targeted), dtype=dtype)
+            d_in = next(a.a[m].shape[2] for m in modules for a in adapters if m in a.a)
+            sizes = [self._out_size(adapters, m, dims) for m in modules]
+            a_all = torch.zeros(num_layers, n, r * len(modules), d_in, dtype=dtype)
+            b_all = torch.zeros(num_layers, n, r * sum(sizes), dtype=dtype)
             parts = []
-            for j, (k, m) in enumerate(targeted):
-                d_out = next(a.b[m].shape[1] for a in adapters if m in a.b)
-                b_all = torch.zeros(num_layers, n, r, d_out, dtype=dtype)
+            off = 0
+            for j, (m, d_out) in enumerate(zip(modules, sizes)):
+                b_view = b_all[:, :, off:off + r * d_out].view(num_layers, n, r, d_out)
                 for s, ad in enumerate(adapters):
-                    if m in ad.a:  # [L, rank, in] -> [L, in, rank]; [L, out, rank] -> [L, rank, out]
-                        a_all[:, s, :, j * r:j * r + ad.rank] = ad.a[m].transpose(1, 2)
-                        b_all[:, s, :ad.rank, :] = ad.b[m].transpose(1, 2)
-                parts.append(_Part(k, slice(j * r, (j + 1) * r),
-                                   [b_all[i].contiguous() for i in range(num_layers)]))
-            self.groups[group] = _GroupStack([a_all[i].contiguous() for i in range(num_layers)],
+                    if m in ad.a:  # A [L, rank, in] as it is; B [L, out, rank] -> [L, rank, out]
+                        a_all[:, s, j * r:j * r + ad.rank] = ad.a[m]
+                        b_view[:, s, :ad.rank] = ad.b[m].transpose(1, 2)
+                parts.append(_Part(j, slice(j * r, (j + 1) * r),
+                                   [b_view[i] for i in range(num_layers)]))
+                off += r * d_out
+            self.a[group], self.b[group], self.out_sizes[group] = a_all, b_all, sizes
+            self.groups[group] = _GroupStack([a_all[i].transpose(1, 2) for i in range(num_layers)],
                                              parts)
+
+    def decode_products(self) -> LoRAProducts:
+        """The fused C decode layer's description of these matrices (float32; built once)."""
+        if self._decode is None:
+            self._decode = LoRAProducts(self.num_layers, len(self.ids), self.rank,
+                                        {g: (self.a[g], self.b[g], self.out_sizes[g])
+                                         for g in self.groups})
+        return self._decode
+
+    @staticmethod
+    def _out_size(adapters: list[LoRAAdapter], module: str,
+                  dims: dict[str, tuple[int, int]] | None) -> int:
+        """A projection's output size: from an adapter that targets it, else the model's
+        ``dims`` (module -> (in, out))."""
+        size = next((a.b[module].shape[1] for a in adapters if module in a.b), None)
+        if size is None:
+            if dims is None:
+                raise ValueError(f"no adapter of the set targets {module}: its size must "
+                                 "come with the model's dims")
+            size = dims[module][1]
+        return size
 
 
 class LoRAStep:
@@ -109,6 +145,11 @@ class LoRAStep:
         if n * m > PADDING_LIMIT * self.num_rows:
             self.segments = [(s, torch.from_numpy(rows[starts[s]:starts[s] + counts[s]]))
                              for s in range(n) if counts[s]]
+
+    def decode_rows(self) -> LoRARows:
+        """These rows as the fused C decode layer reads them (float32 stacks)."""
+        return self.stack.decode_products().rows(
+            torch.from_numpy(np.ascontiguousarray(self.row_slot, dtype=np.int64)))
 
     def targets(self, group: str) -> bool:
         """Whether some row of this step has an adapter on ``group`` (a key of GROUPS)."""

@@ -259,10 +259,11 @@ class LlamaForCausalLM:
         # work after its attention through layer i + 1's qkv, RoPE and KV write in one C call
         # (bit for bit the calls below).
         dl = self.decode_layers
-        # Steps with adapter rows take the per-product path below (the C layer has no LoRA).
-        if dl is not None and lora is None and not meta.prefills \
+        # Steps with adapter rows: the C layer adds them in float32 (its LoRA hooks).
+        if dl is not None and (lora is None or dl.takes_lora) and not meta.prefills \
                 and t <= min(decode_layer_mod.MAX_ROWS, self._kernel_rows()):
-            dl.begin_step(t, cos, sin, positions, meta.slot_mapping)
+            dl.begin_step(t, cos, sin, positions, meta.slot_mapping,
+                          None if lora is None else lora.decode_rows())
         else:
             dl = None
         db = meta.decodes

@@ -1,4 +1,4 @@
-"""Admission: a new request joins ``waiting`` (or waits for its grammar) or is refused at
+"""Admission: a new request joins ``waiting`` (or waits for its grammar or adapter) or is refused at
 once with an error that says what to change; aborts and priority changes of requests in any
 state. Which waiting requests *run* is the step's decision (scheduler.py)."""
 from __future__ import annotations
@@ -7,10 +7,11 @@ from collections.abc import Iterable
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.request import Request, RequestStatus
+from llmtower.core.sched.adapter_wait import AdapterWaitMixin
 from llmtower.core.sched.grammar import GrammarMixin
 
 
-class AdmissionMixin(GrammarMixin):
+class AdmissionMixin(GrammarMixin, AdapterWaitMixin):
     """The scheduler's front door: ``add_request``, ``abort_requests``, ``update_priority``."""
 
     def add_request(self, request: Request) -> None:
@@ -32,6 +33,7 @@ class AdmissionMixin(GrammarMixin):
         room = self.max_len - request.num_prompt_tokens
         asked = request.sampling_params.max_tokens
         request.max_tokens = room if asked is None else min(asked, room)
+        adapter_ready = self._start_adapter(request)  # raises ValueError when LoRA is off
         grammar_ready = self._start_grammar(request)  # raises ValueError for a bad grammar
         request.status = RequestStatus.WAITING
         request.times.queued = self.clock()
@@ -40,6 +42,10 @@ class AdmissionMixin(GrammarMixin):
         request.sort_key = ()
         self.requests[rid] = request
         self.policy.on_add(request)
+        if not adapter_ready:  # waits outside the queue until its adapter is read
+            request.status = RequestStatus.WAITING_FOR_ADAPTER
+            self.waiting_for_adapter[rid] = request
+            return
         if not grammar_ready:  # waits outside the queue until its grammar has compiled
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar[rid] = request
@@ -99,6 +105,8 @@ class AdmissionMixin(GrammarMixin):
                 self.swapped.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 del self.waiting_for_grammar[rid]
+            elif req.status == RequestStatus.WAITING_FOR_ADAPTER:
+                del self.waiting_for_adapter[rid]  # its read, if any, still fills the cache
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)

@@ -61,6 +61,8 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
         step = Step(deg.token_budget(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill),
                     deg.max_num_seqs(cfg.max_num_seqs))
         now = self.clock()
+        if self.waiting_for_adapter:
+            self._admit_loaded_adapters()
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         # 1. running requests: decodes and ongoing chunked prefills

@@ -1,13 +1,14 @@
 """What the scheduler holds between steps: its queues, its KV cache manager, its policy and
 counters, and the two rules every part of it shares: when a request stops (``_check_stop``)
 and how a request ends (``_finish``). The ``Scheduler`` (scheduler.py) is built on it, with one
-mixin per job: admission.py, grammar.py, preemption.py, step_output.py, apply_output.py and
+mixin per job: admission.py, grammar.py, adapter_wait.py, preemption.py, step_output.py, apply_output.py and
 stats.py."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llmtower.core.config import CacheConfig, SchedulerConfig
 from llmtower.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -18,6 +19,9 @@ from llmtower.core.sched.policy import make_policy
 from llmtower.core.sched.spec_drafts import SpecDecodingStats
 from llmtower.core.sched.step import Step
 from llmtower.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llmtower.core.sched.adapter_wait import AdapterLoads
 
 
 class SchedulerState:
@@ -63,6 +67,10 @@ class SchedulerState:
         # jump-forward tokens the executor has not seen yet.
         self.structured_output = structured_output
         self.waiting_for_grammar: dict[str, Request] = {}
+        # LoRA: the executor's background adapter reads (set by the engine; None: adapters
+        # are read before a request is added) and the requests waiting for theirs.
+        self.adapter_loads: AdapterLoads | None = None
+        self.waiting_for_adapter: dict[str, Request] = {}
         self._request_errors: list[tuple[str, str]] = []
         self._forced_token_ids: dict[str, list[int]] = {}
 

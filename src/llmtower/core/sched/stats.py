@@ -3,6 +3,8 @@ decoding, degradation) and a finished request's metrics; the operator surface be
 (prefix cache reset, defragmentation)."""
 from __future__ import annotations
 
+from itertools import chain
+
 from llmtower.core.kv_cache.fragmentation import external_fragmentation
 from llmtower.core.kv_cache.relocator import DefragResult, Move
 from llmtower.core.outputs import RequestMetrics, SchedulerStats
@@ -22,7 +24,8 @@ class StatsMixin(SchedulerState):
         total = step.num_tokens
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar)
+            + len(self.waiting_for_adapter),
             num_swapped_reqs=len(self.swapped),
             kv_cache_usage=kv.usage(),
             num_free_blocks=kv.pool.num_free_blocks,
@@ -48,7 +51,8 @@ class StatsMixin(SchedulerState):
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
-            **lora_stats(self.config.max_loras, self.running, self.waiting),
+            **lora_stats(self.config.max_loras, self.running,
+                         chain(self.waiting, self.waiting_for_adapter.values())),
             num_block_moves_total=self.relocator.num_moves_total,
             num_pinned_blocks=len(kv.pinned),
             degradation_level=self.degradation.level,
