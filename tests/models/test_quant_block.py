@@ -38,6 +38,7 @@ def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
 
     monkeypatch.setattr(type(parts[0]), "rows", counted_rows)
     monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 64 * 4 * k)  # 64 rows a slab
+    monkeypatch.setattr(quant_block, "DEQUANT_SLAB_MIN_ROWS", 16)
     got = layer(x, bias)
     assert slabs == [64, 64, 64, 8, 64, 8]  # never more than a slab's rows dequantized at once
     assert got.shape == (x.shape[0], 272) and got.dtype == torch.float32
