@@ -121,10 +121,12 @@ class MetricsCollector:
             if o.finish_reason is not None:
                 self._finish(o, now, replica)
 
-    def on_decode_steps(self, request_ids: list[str], ends: list[float]) -> None:
+    def on_decode_steps(self, request_ids: list[str], ends: list[float],
+                        alive: list[int] | None = None) -> None:
         """Record a run of plain decode steps (one token per request per step, step i ending
-        at ``ends[i]``): the gaps ``on_outputs`` would count step by step (the requests that
-        finish in the last step are then passed to ``on_finished``)."""
+        at ``ends[i]``, ``alive[i]`` requests in step i: those that stop leave after their
+        step; default: all of them every step): the gaps ``on_outputs`` would count step by
+        step (the requests that stop are then passed to ``on_finished``)."""
         last = self._last_token
         gaps = self.itl_counts
         first = ends[0]
@@ -135,7 +137,7 @@ class MetricsCollector:
         n = len(request_ids)
         for i in range(1, len(ends)):
             g = ends[i] - ends[i - 1]
-            gaps[g] = gaps.get(g, 0) + n
+            gaps[g] = gaps.get(g, 0) + (n if alive is None else alive[i])
         last.update(zip(request_ids, repeat(ends[-1])))
 
     def on_finished(self, o: EngineCoreOutput, now: float, replica: int) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.request import Request
+from llmtower.core.sched.decode_run import DecodeRunShape
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.sim.cluster import Replica
 from llmtower.sim.metrics import MetricsCollector
@@ -37,6 +38,12 @@ from llmtower.sim.workload import TraceRequest
 SIM_TOKEN = 1
 # A run shorter than this is simulated step by step (planning one costs about a step).
 MIN_DECODE_RUN = 2
+# Steps planned at once: a run is planned up to this many steps ahead, twice as many after
+# each one that ends uncut (up to MAX_RUN_PLAN), back to this after a cut. An arrival cuts a
+# run, and the steps planned past the cut are wasted work; a run that ends uncut is followed
+# by the next one at the cost of one more plan.
+FIRST_RUN_PLAN = 16
+MAX_RUN_PLAN = 4096
 
 
 @dataclass
@@ -104,6 +111,7 @@ class ReplicaShard:
         self.decode_runs = decode_runs
         self._plans: dict[int, DecodePlan] = {}
         self._stale: set[int] = set()
+        self._plan_steps = dict.fromkeys(self.replicas, FIRST_RUN_PLAN)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else float("inf")
@@ -156,6 +164,7 @@ class ReplicaShard:
         plan = self._plans.get(ri)
         if plan is not None:
             self._apply_run(rep, len(plan.ends))
+            self._plan_steps[ri] = min(MAX_RUN_PLAN, 2 * self._plan_steps[ri])
         elif rep.in_flight is not None:
             so, mro = rep.in_flight
             rep.in_flight = None
@@ -187,9 +196,9 @@ class ReplicaShard:
         if not sched.requests:
             return False
         if self.decode_runs:
-            k = sched.decode_steps_ahead(SIM_TOKEN)
-            if k >= MIN_DECODE_RUN:
-                self._plan(rep, k)
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index])
+            if shape.num_steps >= MIN_DECODE_RUN:
+                self._plan(rep, shape)
                 return False  # the run's end is in the heap
         so = sched.schedule()
         usage = sched.kv.usage()
@@ -204,24 +213,31 @@ class ReplicaShard:
         return True
 
     # ------------------------------------------------------------------ decode runs
-    def _plan(self, rep: Replica, k: int) -> None:
-        """Plan ``k`` plain decode steps from the replica's now: their times, step by step as the executor
-        would add them to its clock (the same shapes: n tokens, n sampled, a context that
-        grows by n a step)."""
+    def _plan(self, rep: Replica, shape: DecodeRunShape) -> None:
+        """Plan a run of plain decode steps from the replica's now: their times, step by step
+        as the executor would add them to its clock (the same shapes: n tokens, n sampled, a
+        context of the requests' computed tokens after the step; a request that stops in a
+        step leaves the batch after it)."""
         running = rep.scheduler.running
         n = len(running)
-        computed = sum(r.num_computed_tokens for r in running)
+        computed = sum(r.num_computed_tokens for r in running)  # before the run
+        stops = shape.stops
+        num_stops = len(stops)
+        p = 0
         step_time = rep.executor.cost_model.step_time
         starts, dts, ends = [], [], []
         now = rep.clock.now
-        for _ in range(k):
-            ctx = computed + n
+        for s in range(1, shape.num_steps + 1):
+            ctx = computed + s * n
             dt = step_time(n, n, ctx, ctx, n, 0)
             starts.append(now)
             dts.append(dt)
             now += dt
             ends.append(now)
-            computed += n
+            while p < num_stops and stops[p][0] == s:
+                n -= 1
+                computed -= stops[p][1]
+                p += 1
         plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1)
         plan.seq = self._push(now, rep.index)
 
@@ -230,6 +246,7 @@ class ReplicaShard:
         that had started before it (every boundary before ``t`` is processed by now); the
         replica's next step starts at the end of the last of them."""
         plan = self._plans[rep.index]
+        self._plan_steps[rep.index] = FIRST_RUN_PLAN
         k = len(plan.ends)
         j = 1 + bisect_left(plan.ends, t, 0, k - 1)
         if j < k:
@@ -241,19 +258,25 @@ class ReplicaShard:
 
     def _apply_run(self, rep: Replica, j: int) -> None:
         """Apply the first ``j`` steps of the replica's planned run, with what each would have
-        recorded: the executor's counters and clock, the timeline rows, the gaps."""
+        recorded: the executor's counters and clock, the timeline rows, the gaps, the
+        requests that stopped."""
         ri = rep.index
         plan = self._plans.pop(ri)
         sched = rep.scheduler
         ex = rep.executor
-        end = rep.clock.now = plan.ends[j - 1]
+        ends = plan.ends[:j]
+        rep.clock.now = ends[-1]
         rids = [r.request_id for r in sched.running]
         n = len(rids)
-        run = sched.advance_decode_steps(j, SIM_TOKEN)
+        run = sched.advance_decode_steps(j, SIM_TOKEN, ends)
         if run.finished_req_ids:
             ex.forget(run.finished_req_ids)
         num_blocks = sched.kv.pool.num_blocks
         metrics = self.metrics
+        stop_steps = run.stop_steps
+        num_stops = len(stop_steps)
+        p = 0
+        alive = []  # requests in each step
         for s in range(j):
             ex.num_steps += 1
             ex.busy_s += plan.dts[s]
@@ -261,10 +284,14 @@ class ReplicaShard:
             if usage > rep.peak_kv_usage:
                 rep.peak_kv_usage = usage
             metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
+            alive.append(n)
+            while p < num_stops and stop_steps[p] == s + 1:
+                n -= 1
+                p += 1
         ex.last_step_s = plan.dts[j - 1]
-        metrics.on_decode_steps(rids, plan.ends[:j])
-        for out in run.stopped:
-            metrics.on_finished(out, end, ri)
+        metrics.on_decode_steps(rids, ends, alive)
+        for out, s in zip(run.stopped, stop_steps):
+            metrics.on_finished(out, ends[s - 1], ri)
         self.num_events += j - 1  # the boundaries between its steps
 
     def states(self, at: float | None = None) -> dict[int, ReplicaState]:

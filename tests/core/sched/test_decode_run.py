@@ -63,25 +63,35 @@ def _request(i: int, rng: random.Random) -> Request:
                                                   ignore_eos=True), eos_token_id=TOK)
 
 
-@pytest.mark.parametrize("policy,caching,num_blocks,seed", [
-    ("fcfs", True, 40, 0), ("priority", True, 24, 1), ("fcfs", False, 30, 2),
-    ("sjf", True, 200, 3)])
-def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, seed):
+@pytest.mark.parametrize("policy,caching,num_blocks,seed,past_stops", [
+    ("fcfs", True, 40, 0, False), ("priority", True, 24, 1, False), ("fcfs", False, 30, 2, False),
+    ("sjf", True, 200, 3, False), ("fcfs", True, 40, 4, True), ("priority", True, 24, 5, True),
+    ("fcfs", False, 30, 6, True), ("sjf", True, 200, 7, True)])
+def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, seed, past_stops):
+    """Runs cut at random points, ending at the first stop or (past_stops) going on past the
+    steps in which requests stop, leave the scheduler as the steps one by one do."""
     rng = random.Random(seed)
     steps, bulk = Twin(policy, caching, num_blocks), Twin(policy, caching, num_blocks)
-    applied = 0
+    applied = stops_inside = 0
     for i in range(40):
         for t in (steps, bulk):
             t.sched.add_request(_request(i, random.Random(seed * 100 + i)))
         for _ in range(rng.randrange(0, 12)):
-            k = bulk.sched.decode_steps_ahead(TOK)
+            if past_stops:
+                shape = bulk.sched.decode_run_ahead(TOK)
+                k = shape.num_steps
+                stops_inside += sum(1 for s, _ in shape.stops if s < k)
+            else:
+                k = bulk.sched.decode_steps_ahead(TOK)
             if k >= 1 and rng.random() < 0.8:
                 j = rng.randrange(1, k + 1)  # a run cut anywhere is still exact
                 for _ in range(j):
                     steps.step()
+                ends = [bulk.now + s for s in range(1, j + 1)]
                 bulk.now += j
-                bulk.finished += [(o.request_id, o.finish_reason, bulk.now)
-                                  for o in bulk.sched.advance_decode_steps(j, TOK).stopped]
+                run = bulk.sched.advance_decode_steps(j, TOK, ends if past_stops else None)
+                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1])
+                                  for o, s in zip(run.stopped, run.stop_steps)]
                 applied += j
             else:
                 steps.step()
@@ -91,6 +101,7 @@ def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, se
         steps.step()
         bulk.step()
     assert steps.state() == bulk.state() and applied > 20
+    assert not past_stops or stops_inside > 3
 
 
 def test_no_run_while_anything_but_decodes_is_due():

@@ -37,8 +37,21 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: list[int], block_s
     """
     start = len(block_hashes)
     end = num_tokens // block_size
-    parent = block_hashes[-1] if block_hashes else None
-    for i in range(start, end):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            cache_salt if i == 0 else None)
+    if start >= end:
+        return
+    if start == 0:
+        parent = hash_block(None, token_ids[:block_size], cache_salt)
         block_hashes.append(parent)
+        start = 1
+        if end == 1:
+            return
+    else:
+        parent = block_hashes[-1]
+    # The blocks after the first carry no salt: each hash is H(parent || the block's int64
+    # tokens), as hash_block computes it, with the tokens converted to bytes in one pass.
+    data = array("q", token_ids[start * block_size:end * block_size]).tobytes()
+    width = 8 * block_size
+    append = block_hashes.append
+    for off in range(0, len(data), width):
+        parent = blake2b(parent + data[off:off + width], digest_size=16).digest()
+        append(parent)

@@ -27,6 +27,7 @@ no drafts are proposed (the simulator's executor does exactly that).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmtower.core.outputs import EngineCoreOutput
@@ -40,13 +41,25 @@ from llmtower.utils import cdiv
 @dataclass
 class DecodeRun:
     """What the executor and the metrics need of a run of decode steps: the finished requests
-    the run's first step reports to the executor, the free KV blocks after each step was
-    scheduled (for KV-usage timelines), and the outputs of the requests that stopped in its
-    last step (in batch order, as ``update_from_output`` reports them)."""
+    the run's steps report to the executor (those that finished before it, and those that
+    stopped in any step but its last), the free KV blocks after each step was scheduled (for
+    KV-usage timelines), and the outputs of the requests that stopped (in step order, batch
+    order within a step, as ``update_from_output`` reports them) with each one's step (1-based)."""
 
     finished_req_ids: set[str]
     free_blocks: list[int] = field(default_factory=list)
     stopped: list[EngineCoreOutput] = field(default_factory=list)
+    stop_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DecodeRunShape:
+    """A run of plain decode steps as planned: its length, and for every request that stops
+    within it, the step it stops in and its computed tokens before the run (sorted by step):
+    what the step times of the run depend on."""
+
+    num_steps: int
+    stops: list[tuple[int, int]] = field(default_factory=list)
 
 
 class DecodeRunMixin(SchedulerState):
@@ -56,20 +69,31 @@ class DecodeRunMixin(SchedulerState):
         """How many of the next steps (up to ``limit``) are plain decode steps, if no request
         is added and each samples ``token_id``: up to and including the first step in which a
         request stops; 0 when the next step is not one (the conditions: module docstring)."""
+        return self._decode_run(token_id, limit, False).num_steps
+
+    def decode_run_ahead(self, token_id: int, limit: int = 1 << 30) -> DecodeRunShape:
+        """Like ``decode_steps_ahead``, but the run goes on past the steps in which requests
+        stop (the others keep decoding, as they would step by step) until the batch empties,
+        ``limit`` or the free blocks end it; with the stops it contains."""
+        return self._decode_run(token_id, limit, True)
+
+    def _decode_run(self, token_id: int, limit: int, past_stops: bool) -> DecodeRunShape:
         running = self.running
         if (not running or self.waiting or self.swapped or self.waiting_for_grammar
                 or self._forced_token_ids or self._request_errors
                 or self.policy.charge is not None or self.degradation.config.enabled
                 or self.cache_config.kv_allocator == "relocator"
                 or self.cache_config.sliding_window is not None):
-            return 0
+            return _NO_RUN
         cfg = self.config
         deg = self.degradation
         n = len(running)
         if n > deg.token_budget(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill) or \
                 n > deg.max_num_seqs(cfg.max_num_seqs):
-            return 0
+            return _NO_RUN
         k = limit
+        longest = 0
+        lasts: list[int] = []
         max_len = self.max_len
         running_status = RequestStatus.RUNNING
         bs = self.cache_config.block_size
@@ -85,128 +109,171 @@ class DecodeRunMixin(SchedulerState):
                     or req.queue_entry or not req.times.first_token
                     or (num_cached is not None
                         and num_cached.get(req.request_id, 0) != computed // bs)):
-                return 0
-            # The run ends with the first step in which an appended token ends a request.
-            num_output = num_tokens - req.num_prompt_tokens
-            last = min(req.max_tokens - num_output, max_len - num_tokens)
-            sp = req.sampling_params
-            if ((token_id == req.eos_token_id and not sp.ignore_eos)
-                    or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
-                last = min(last, sp.min_tokens - num_output)
-            if last < k:
+                return _NO_RUN
+            last = _last_step_of(req, token_id, max_len)
+            if last <= 0:
+                return _NO_RUN
+            if past_stops:
+                lasts.append(last)
+                if last > longest:
+                    longest = last
+            elif last < k:
                 k = last
-                if k <= 0:
-                    return 0
+        if past_stops and longest < k:
+            k = longest
         free = self.kv.pool.num_free_blocks
-        # (At most one block per request every bs steps, plus one: counted only when tight.)
-        if n * (k // bs + 2) > free and self._blocks_needed(k) > free:
+        # (At most one block per request every bs steps, plus one: counted only when tight.
+        # Blocks that stopping requests free are not counted: the run is shorter, never wrong.)
+        if n * (k // bs + 2) > free and self._blocks_needed(k, lasts) > free:
             # The largest run whose new blocks fit.
             lo, hi = 0, k
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
-                if self._blocks_needed(mid) <= free:
+                if self._blocks_needed(mid, lasts) <= free:
                     lo = mid
                 else:
                     hi = mid - 1
             k = lo
-        return k
+        if not past_stops or k == 0:
+            return DecodeRunShape(k)
+        stops = sorted((last, req.num_computed_tokens)
+                       for last, req in zip(lasts, running) if last <= k)
+        return DecodeRunShape(k, stops)
 
-    def _blocks_needed(self, k: int) -> int:
-        """New KV blocks the running decodes take over ``k`` more steps."""
+    def _blocks_needed(self, k: int, lasts: list[int]) -> int:
+        """New KV blocks the running decodes take over ``k`` more steps (each only up to its
+        last step, where ``lasts`` gives them)."""
         bs = self.cache_config.block_size
         req_to_blocks = self.kv.req_to_blocks
         need = 0
-        for req in self.running:
-            more = cdiv(req.num_computed_tokens + k, bs) - len(req_to_blocks[req.request_id])
+        for i, req in enumerate(self.running):
+            steps = k if not lasts or lasts[i] > k else lasts[i]
+            more = cdiv(req.num_computed_tokens + steps, bs) - len(req_to_blocks[req.request_id])
             if more > 0:
                 need += more
         return need
 
-    def advance_decode_steps(self, k: int, token_id: int) -> DecodeRun:
-        """Apply ``k`` plain decode steps (``k`` <= ``decode_steps_ahead(token_id)``) as ``k``
-        rounds of ``schedule()`` and ``update_from_output()`` with ``token_id`` sampled would;
-        the requests' last token time is the clock's now (the end of the run's last step), and
-        requests that stop in it are finished as ``update_from_output`` finishes them."""
+    def advance_decode_steps(self, k: int, token_id: int,
+                             step_ends: Sequence[float] | None = None) -> DecodeRun:
+        """Apply ``k`` plain decode steps (``k`` <= the ``num_steps`` of ``decode_run_ahead``)
+        as ``k`` rounds of ``schedule()`` and ``update_from_output()`` with ``token_id`` sampled
+        would: requests that stop within them are finished as ``update_from_output`` finishes
+        them, the others decode on. Step s ends at ``step_ends[s - 1]`` (default: the clock's
+        now, for every step: then only the last step may stop requests)."""
         assert k >= 1
         kv = self.kv
+        pool = kv.pool
         bs = self.cache_config.block_size
         caching = kv.enable_prefix_caching
         req_to_blocks = kv.req_to_blocks
+        max_len = self.max_len
+        now = self.clock()
         # (step, phase, batch index): a step's allocations (0, while scheduled) come before
-        # its registrations in the prefix cache (1, while its outputs are applied).
+        # its outputs (1: a block registered in the prefix cache, 2: the request stops), in
+        # batch order; a request's registration before its stop, as update_from_output does.
         events: list[tuple[int, int, int]] = []
         starts = []
+        ends = []
         running = self.running
         for i, req in enumerate(running):
             c = req.num_computed_tokens
             starts.append(c)
+            last = _last_step_of(req, token_id, max_len)
+            if last <= k:
+                events.append((last, 1, i + i + 1))
+            else:
+                last = k
+            ends.append(last)
             # Step s computes the token at position c + s - 1 and needs a new block when that
             # position is past the request's blocks: first at s = blocks * bs - c + 1.
             s = len(req_to_blocks[req.request_id]) * bs - c + 1
-            while s <= k:
+            while s <= last:
                 events.append((s, 0, i))
                 s += bs
             if caching:
                 # After step s, c + s tokens are computed, and a block that filled is
                 # registered (c // bs are already): at every s where c + s crosses a multiple.
                 s = bs - c % bs
-                while s <= k:
-                    events.append((s, 1, i))
+                while s <= last:
+                    events.append((s, 1, i + i))
                     s += bs
-            req.all_token_ids.extend([token_id] * k)
+            req.all_token_ids.extend([token_id] * last)
         events.sort()
-        free = kv.pool.num_free_blocks
         run = DecodeRun(self.finished_req_ids)
         self.finished_req_ids = set()
         free_after = run.free_blocks
         last_new: dict[str, list[int]] = {}
-        register_last: set[int] = set()  # in the last step: interleaved with the stops below
-        step_no = 1
-        for s, phase, i in events:
-            while step_no < s:
-                free_after.append(free)
-                step_no += 1
-            req = running[i]
-            if s == k and phase == 1:
-                register_last.add(i)
-            elif phase == 0:
-                req.num_computed_tokens = starts[i] + s - 1
-                new = kv.allocate_slots(req, 1)
-                assert new, "decode_steps_ahead promised the run its blocks"
-                free -= len(new)
-                if s == k:
-                    last_new[req.request_id] = [b.block_id for b in new]
-            else:
-                kv.cache_blocks(req, starts[i] + s)
-        while step_no <= k:
-            free_after.append(free)
-            step_no += 1
-        now = self.clock()
-        # The last step's outputs, request by request as update_from_output applies them.
         stopped: list[Request] = []
         check_stop = self._check_stop
-        max_len = self.max_len
-        for i, req in enumerate(running):
-            end = req.num_computed_tokens = starts[i] + k
-            if i in register_last:
-                kv.cache_blocks(req, end)
-            req.times.last_token = now
-            # _check_stop only where it may say stop (a superset of its conditions).
-            num_tokens = end + 1
-            if not (num_tokens - req.num_prompt_tokens >= req.max_tokens or num_tokens >= max_len
-                    or req.eos_token_id == token_id or req.sampling_params.stop_token_ids):
+        step_no = 1
+        for s, phase, i in events:
+            while step_no < s:  # the steps before s: their allocations are all done
+                free_after.append(pool.num_free_blocks)
+                step_no += 1
+            if phase == 0:
+                # What kv.allocate_slots(req, 1) does for a decode crossing into a new block
+                # (no window, no hits); decode_run_ahead promised the run its free blocks.
+                rid = running[i].request_id
+                new = pool.allocate(1)
+                req_to_blocks[rid].append(new[0])
+                if s == k:
+                    last_new[rid] = [new[0].block_id]
                 continue
+            if step_no == s:  # step s's outputs: its allocations are all done
+                free_after.append(pool.num_free_blocks)
+                step_no += 1
+            req = running[i >> 1]
+            if not i & 1:
+                kv.cache_blocks(req, starts[i >> 1] + s)
+                continue
+            # The request stops in step s: its last token, then finished at the step's end.
+            assert s == k or step_ends is not None, "stops before the last step need step_ends"
+            req.num_computed_tokens = starts[i >> 1] + s
+            t = now if step_ends is None else step_ends[s - 1]
+            req.times.last_token = t
             status = check_stop(req, token_id)
-            if status is not None:
-                out = _new_output(req, [token_id], None, now)
-                self._stop(req, status, out, True, stopped)  # type: ignore[attr-defined]
-                run.stopped.append(out)
+            assert status is not None, "decode_run_ahead promised this stop"
+            out = _new_output(req, [token_id], None, t)
+            self._stop(req, status, out, True, stopped, t)  # type: ignore[attr-defined]
+            run.stopped.append(out)
+            run.stop_steps.append(s)
+            if s < k and req.request_id in self.finished_req_ids:
+                # The next step's schedule() reports it to the executor (within the run).
+                self.finished_req_ids.discard(req.request_id)
+                run.finished_req_ids.add(req.request_id)
+        while step_no <= k:
+            free_after.append(pool.num_free_blocks)
+            step_no += 1
+        end = now if step_ends is None else step_ends[k - 1]
+        last_step = []
+        for i, req in enumerate(running):
+            if ends[i] == k:
+                last_step.append(req)
+                if req.status == RequestStatus.RUNNING:
+                    req.num_computed_tokens = starts[i] + k
+                    req.times.last_token = end
         self.num_steps += k
-        self._last = _last_step(running, self, last_new)
+        self._last = _last_step(last_step, self, last_new)
         if stopped:
             gone = {r.request_id for r in stopped}
             self.running = [r for r in running if r.request_id not in gone]
         return run
+
+
+_NO_RUN = DecodeRunShape(0)
+
+
+def _last_step_of(req: Request, token_id: int, max_len: int) -> int:
+    """The step (1-based) of a run in which the decoding ``req`` stops if it samples
+    ``token_id`` every step: the step whose token ends it (``_check_stop``'s conditions)."""
+    num_tokens = len(req.all_token_ids)
+    num_output = num_tokens - req.num_prompt_tokens
+    last = min(req.max_tokens - num_output, max_len - num_tokens)
+    sp = req.sampling_params
+    if ((token_id == req.eos_token_id and not sp.ignore_eos)
+            or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
+        last = min(last, sp.min_tokens - num_output)
+    return last
 
 
 def _last_step(running: list[Request], sched: SchedulerState,
