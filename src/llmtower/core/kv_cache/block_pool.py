@@ -93,16 +93,16 @@ class FreeBlockQueue:
             raise RuntimeError("no free KV block left")
         head = self.head
         free_map = self.free_map
-        out = []
-        b = head.next_free
+        out: list[KVCacheBlock] = []
+        b: KVCacheBlock = head.next_free  # type: ignore[assignment]
         for _ in range(n):
-            out.append(b)  # type: ignore[arg-type]
-            free_map[b.block_id] = 0  # type: ignore[union-attr]
-            nxt = b.next_free  # type: ignore[union-attr]
-            b.prev_free = b.next_free = None  # type: ignore[union-attr]
-            b = nxt
+            out.append(b)
+            free_map[b.block_id] = 0
+            nxt = b.next_free
+            b.prev_free = b.next_free = None
+            b = nxt  # type: ignore[assignment]
         head.next_free = b
-        b.prev_free = head  # type: ignore[union-attr]
+        b.prev_free = head
         self.num_free -= n
         return out
 
