@@ -26,6 +26,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.outputs import SchedulerOutput
 from llmtower.core.request import Request
 from llmtower.core.sched.decode_run import DecodeRunShape
 from llmtower.core.sampling_params import SamplingParams
@@ -55,6 +56,9 @@ class DecodePlan:
     dts: list[float]
     ends: list[float]
     seq: int
+    # The step schedule() returned, executed already, whose outputs the run applies as its
+    # first step (None: the run starts between steps).
+    in_flight: SchedulerOutput | None = None
 
 
 @dataclass
@@ -186,7 +190,8 @@ class ReplicaShard:
         metrics = self.metrics
         rep.clock.advance_to(t)
         sched = rep.scheduler
-        if rep.pending:
+        arrived = bool(rep.pending)
+        if arrived:
             for req in rep.pending:
                 try:
                     sched.add_request(req)
@@ -195,7 +200,7 @@ class ReplicaShard:
             rep.pending.clear()
         if not sched.requests:
             return False
-        if self.decode_runs:
+        if self.decode_runs and not arrived:
             shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index])
             if shape.num_steps >= MIN_DECODE_RUN:
                 self._plan(rep, shape)
@@ -209,26 +214,48 @@ class ReplicaShard:
         if so.total_num_scheduled_tokens == 0 and not so.blocks_to_swap_out:
             rep.executor.forget(so.finished_req_ids)
             return False
-        rep.in_flight = (so, rep.executor.execute_model(so))
+        mro = rep.executor.execute_model(so)
+        if self.decode_runs and not sched.waiting:
+            # The step that admitted arrivals may be the first of a run (its outputs applied
+            # with the run's decode steps).
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index], so)
+            if shape.num_steps >= MIN_DECODE_RUN:
+                self._plan(rep, shape, so, t)
+                return False
+        rep.in_flight = (so, mro)
         return True
 
     # ------------------------------------------------------------------ decode runs
-    def _plan(self, rep: Replica, shape: DecodeRunShape) -> None:
+    def _plan(self, rep: Replica, shape: DecodeRunShape, in_flight: SchedulerOutput | None = None,
+              start: float = 0.0) -> None:
         """Plan a run of plain decode steps from the replica's now: their times, step by step
         as the executor would add them to its clock (the same shapes: n tokens, n sampled, a
         context of the requests' computed tokens after the step; a request that stops in a
-        step leaves the batch after it)."""
+        step leaves the batch after it). With ``in_flight``, the step executed from ``start``
+        to now is the run's first."""
         running = rep.scheduler.running
         n = len(running)
-        computed = sum(r.num_computed_tokens for r in running)  # before the run
+        computed = sum(r.num_computed_tokens for r in running)  # before the run's decodes
         stops = shape.stops
         num_stops = len(stops)
         p = 0
         step_time = rep.executor.cost_model.step_time
         starts, dts, ends = [], [], []
         now = rep.clock.now
-        for s in range(1, shape.num_steps + 1):
-            ctx = computed + s * n
+        first = 1
+        offset = 0
+        if in_flight is not None:
+            starts.append(start)
+            dts.append(rep.executor.last_step_s)
+            ends.append(now)
+            while p < num_stops and stops[p][0] == 1:
+                n -= 1
+                computed -= stops[p][1]
+                p += 1
+            first = 2
+            offset = 1
+        for s in range(first, shape.num_steps + 1):
+            ctx = computed + (s - offset) * n
             dt = step_time(n, n, ctx, ctx, n, 0)
             starts.append(now)
             dts.append(dt)
@@ -238,7 +265,7 @@ class ReplicaShard:
                 n -= 1
                 computed -= stops[p][1]
                 p += 1
-        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1)
+        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1, in_flight)
         plan.seq = self._push(now, rep.index)
 
     def _cut(self, rep: Replica, t: float) -> None:
@@ -268,7 +295,7 @@ class ReplicaShard:
         rep.clock.now = ends[-1]
         rids = [r.request_id for r in sched.running]
         n = len(rids)
-        run = sched.advance_decode_steps(j, SIM_TOKEN, ends)
+        run = sched.advance_decode_steps(j, SIM_TOKEN, ends, plan.in_flight)
         if run.finished_req_ids:
             ex.forget(run.finished_req_ids)
         num_blocks = sched.kv.pool.num_blocks
@@ -277,14 +304,16 @@ class ReplicaShard:
         num_stops = len(stop_steps)
         p = 0
         alive = []  # requests in each step
+        executed = plan.in_flight is not None  # the first step: counted and recorded already
         for s in range(j):
-            ex.num_steps += 1
-            ex.busy_s += plan.dts[s]
-            usage = 1.0 - run.free_blocks[s] / num_blocks
-            if usage > rep.peak_kv_usage:
-                rep.peak_kv_usage = usage
-            metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
             alive.append(n)
+            if s or not executed:
+                ex.num_steps += 1
+                ex.busy_s += plan.dts[s]
+                usage = 1.0 - run.free_blocks[s] / num_blocks
+                if usage > rep.peak_kv_usage:
+                    rep.peak_kv_usage = usage
+                metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
             while p < num_stops and stop_steps[p] == s + 1:
                 n -= 1
                 p += 1

@@ -30,7 +30,9 @@ class Twin:
         self.finished: list[tuple[str, str | None, float]] = []
 
     def step(self) -> None:
-        so = self.sched.schedule()
+        self.finish_step(self.sched.schedule())
+
+    def finish_step(self, so) -> None:
         ids = list(so.num_scheduled_tokens)
         reqs = so.scheduled_requests
         sampled = [[TOK] if reqs[r].num_computed_tokens >= len(reqs[r].all_token_ids) else []
@@ -44,7 +46,8 @@ class Twin:
         s = self.sched
         pool = s.kv.pool
         return ([(r.request_id, list(r.all_token_ids), r.num_computed_tokens, r.status,
-                  r.times.last_token, [b.block_id for b in s.kv.req_to_blocks.get(r.request_id, [])],
+                  r.times.first_token, r.times.last_token,
+                  [b.block_id for b in s.kv.req_to_blocks.get(r.request_id, [])],
                   s.kv.num_cached_blocks.get(r.request_id), list(r.block_hashes))
                  for r in s.requests.values()],
                 [r.request_id for r in s.running], [b.block_id for b in pool.free_queue],
@@ -102,6 +105,42 @@ def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, se
         bulk.step()
     assert steps.state() == bulk.state() and applied > 20
     assert not past_stops or stops_inside > 3
+
+
+@pytest.mark.parametrize("policy,caching,num_blocks,seed", [
+    ("fcfs", True, 40, 10), ("priority", True, 24, 11), ("fcfs", False, 30, 12),
+    ("sjf", True, 200, 13)])
+def test_runs_from_a_step_in_flight_equal_step_by_step(policy, caching, num_blocks, seed):
+    """A run whose first step is the one schedule() just returned (admitting new requests
+    among decodes), its outputs applied with the run, cut at random points, leaves the
+    scheduler as the steps one by one do."""
+    rng = random.Random(seed)
+    steps, bulk = Twin(policy, caching, num_blocks), Twin(policy, caching, num_blocks)
+    from_flight = 0
+    for i in range(40):
+        for t in (steps, bulk):
+            t.sched.add_request(_request(i, random.Random(seed * 100 + i)))
+        for _ in range(rng.randrange(1, 8)):
+            so = bulk.sched.schedule()
+            k = bulk.sched.decode_run_ahead(TOK, in_flight=so).num_steps
+            if k >= 1:
+                j = rng.randrange(1, k + 1)
+                for _ in range(j):
+                    steps.step()
+                ends = [bulk.now + s for s in range(1, j + 1)]
+                bulk.now += j
+                run = bulk.sched.advance_decode_steps(j, TOK, ends, in_flight=so)
+                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1])
+                                  for o, s in zip(run.stopped, run.stop_steps)]
+                from_flight += 1
+            else:
+                steps.step()
+                bulk.finish_step(so)
+            assert steps.state() == bulk.state()
+    while steps.sched.requests:
+        steps.step()
+        bulk.step()
+    assert steps.state() == bulk.state() and from_flight > 10
 
 
 def test_no_run_while_anything_but_decodes_is_due():

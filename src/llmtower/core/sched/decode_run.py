@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from llmtower.core.outputs import EngineCoreOutput
+from llmtower.core.outputs import EngineCoreOutput, SchedulerOutput
 from llmtower.core.request import Request, RequestStatus
 from llmtower.core.sched.apply_output import _new_output
 from llmtower.core.sched.scheduler_state import SchedulerState
@@ -71,13 +71,19 @@ class DecodeRunMixin(SchedulerState):
         request stops; 0 when the next step is not one (the conditions: module docstring)."""
         return self._decode_run(token_id, limit, False).num_steps
 
-    def decode_run_ahead(self, token_id: int, limit: int = 1 << 30) -> DecodeRunShape:
+    def decode_run_ahead(self, token_id: int, limit: int = 1 << 30,
+                         in_flight: SchedulerOutput | None = None) -> DecodeRunShape:
         """Like ``decode_steps_ahead``, but the run goes on past the steps in which requests
         stop (the others keep decoding, as they would step by step) until the batch empties,
-        ``limit`` or the free blocks end it; with the stops it contains."""
-        return self._decode_run(token_id, limit, True)
+        ``limit`` or the free blocks end it; with the stops it contains.
 
-    def _decode_run(self, token_id: int, limit: int, past_stops: bool) -> DecodeRunShape:
+        ``in_flight``: the step ``schedule()`` just returned, whose outputs are not applied
+        yet, is the run's first step (any step in which every request of the batch samples:
+        a new prompt's prefill among decodes, typically); the rest are plain decodes."""
+        return self._decode_run(token_id, limit, True, in_flight)
+
+    def _decode_run(self, token_id: int, limit: int, past_stops: bool,
+                    in_flight: SchedulerOutput | None = None) -> DecodeRunShape:
         running = self.running
         if (not running or self.waiting or self.swapped or self.waiting_for_grammar
                 or self._forced_token_ids or self._request_errors
@@ -91,6 +97,17 @@ class DecodeRunMixin(SchedulerState):
         if n > deg.token_budget(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill) or \
                 n > deg.max_num_seqs(cfg.max_num_seqs):
             return _NO_RUN
+        # Tokens known but not computed per request: 1 between steps, 0 while a step in
+        # which each request samples is in flight.
+        pending = 1
+        scheduled: dict[str, int] = {}
+        if in_flight is not None:
+            scheduled = in_flight.num_scheduled_tokens
+            if (len(scheduled) != n or in_flight.scheduled_spec_decode_tokens
+                    or in_flight.blocks_to_swap_in or in_flight.blocks_to_swap_out
+                    or in_flight.blocks_to_move):
+                return _NO_RUN
+            pending = 0
         k = limit
         longest = 0
         lasts: list[int] = []
@@ -99,14 +116,19 @@ class DecodeRunMixin(SchedulerState):
         bs = self.cache_config.block_size
         # With prefix caching every full computed block is registered once a step's outputs
         # are applied; the run relies on it (a lagging one is left to an ordinary step).
-        num_cached = self.kv.num_cached_blocks if self.kv.enable_prefix_caching else None
+        # (In flight, the step's outputs register every full block: update_from_output.)
+        num_cached = (self.kv.num_cached_blocks
+                      if self.kv.enable_prefix_caching and pending else None)
         for req in running:
             num_tokens = len(req.all_token_ids)
             computed = req.num_computed_tokens
-            if (num_tokens - computed != 1 or num_tokens <= req.num_prompt_tokens
+            if (num_tokens - computed != pending
                     or req.status != running_status or req.num_output_placeholders
                     or req.spec_token_ids or req.structured_output is not None
-                    or req.queue_entry or not req.times.first_token
+                    or req.queue_entry
+                    or (pending and (num_tokens <= req.num_prompt_tokens
+                                     or not req.times.first_token))
+                    or (not pending and req.request_id not in scheduled)
                     or (num_cached is not None
                         and num_cached.get(req.request_id, 0) != computed // bs)):
                 return _NO_RUN
@@ -124,12 +146,12 @@ class DecodeRunMixin(SchedulerState):
         free = self.kv.pool.num_free_blocks
         # (At most one block per request every bs steps, plus one: counted only when tight.
         # Blocks that stopping requests free are not counted: the run is shorter, never wrong.)
-        if n * (k // bs + 2) > free and self._blocks_needed(k, lasts) > free:
+        if n * (k // bs + 2) > free and self._blocks_needed(k, lasts, 1 - pending) > free:
             # The largest run whose new blocks fit.
             lo, hi = 0, k
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
-                if self._blocks_needed(mid, lasts) <= free:
+                if self._blocks_needed(mid, lasts, 1 - pending) <= free:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -140,27 +162,33 @@ class DecodeRunMixin(SchedulerState):
                        for last, req in zip(lasts, running) if last <= k)
         return DecodeRunShape(k, stops)
 
-    def _blocks_needed(self, k: int, lasts: list[int]) -> int:
+    def _blocks_needed(self, k: int, lasts: list[int], in_flight: int = 0) -> int:
         """New KV blocks the running decodes take over ``k`` more steps (each only up to its
-        last step, where ``lasts`` gives them)."""
+        last step, where ``lasts`` gives them; the first ``in_flight`` step is scheduled)."""
         bs = self.cache_config.block_size
         req_to_blocks = self.kv.req_to_blocks
         need = 0
         for i, req in enumerate(self.running):
-            steps = k if not lasts or lasts[i] > k else lasts[i]
+            steps = (k if not lasts or lasts[i] > k else lasts[i]) - in_flight
             more = cdiv(req.num_computed_tokens + steps, bs) - len(req_to_blocks[req.request_id])
             if more > 0:
                 need += more
         return need
 
     def advance_decode_steps(self, k: int, token_id: int,
-                             step_ends: Sequence[float] | None = None) -> DecodeRun:
+                             step_ends: Sequence[float] | None = None,
+                             in_flight: SchedulerOutput | None = None) -> DecodeRun:
         """Apply ``k`` plain decode steps (``k`` <= the ``num_steps`` of ``decode_run_ahead``)
         as ``k`` rounds of ``schedule()`` and ``update_from_output()`` with ``token_id`` sampled
         would: requests that stop within them are finished as ``update_from_output`` finishes
         them, the others decode on. Step s ends at ``step_ends[s - 1]`` (default: the clock's
-        now, for every step: then only the last step may stop requests)."""
+        now, for every step: then only the last step may stop requests). With ``in_flight``
+        (as planned by ``decode_run_ahead``) the first step is that one: its outputs are
+        applied, then ``k - 1`` plain decode steps."""
         assert k >= 1
+        if in_flight is not None:
+            assert step_ends is not None, "a run from a step in flight needs its step ends"
+            return self._advance_from_in_flight(k, token_id, step_ends)
         kv = self.kv
         pool = kv.pool
         bs = self.cache_config.block_size
@@ -257,6 +285,55 @@ class DecodeRunMixin(SchedulerState):
         if stopped:
             gone = {r.request_id for r in stopped}
             self.running = [r for r in running if r.request_id not in gone]
+        return run
+
+
+    def _advance_from_in_flight(self, k: int, token_id: int,
+                                step_ends: Sequence[float]) -> DecodeRun:
+        """The in-flight step's outputs as ``update_from_output`` applies them (every request
+        samples ``token_id``; no logprobs, no drafts), in batch order: a block that filled is
+        registered, the token appended, the first token's time set, a request that stops
+        finished; then ``k - 1`` plain decode steps."""
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        num_cached = kv.num_cached_blocks
+        bs = self.cache_config.block_size
+        max_len = self.max_len
+        t = step_ends[0]
+        free_after = kv.pool.num_free_blocks  # the step's allocations are all done
+        check_stop = self._check_stop
+        stopped: list[Request] = []
+        outs: list[EngineCoreOutput] = []
+        running = self.running
+        for req in running:
+            computed = req.num_computed_tokens
+            if caching and computed // bs > num_cached.get(req.request_id, 0):
+                kv.cache_blocks(req, computed)  # a block just filled
+            req.all_token_ids.append(token_id)
+            num_tokens = computed + 1
+            # _check_stop only where it may say stop (a superset of its conditions).
+            if (num_tokens - req.num_prompt_tokens >= req.max_tokens or num_tokens >= max_len
+                    or req.eos_token_id == token_id or req.sampling_params.stop_token_ids):
+                status = check_stop(req, token_id)
+                if status is not None:
+                    out = _new_output(req, [token_id], None, t)
+                    self._stop(req, status, out, True, stopped, t)  # type: ignore[attr-defined]
+                    outs.append(out)
+                    continue
+            times = req.times
+            if not times.first_token:
+                times.first_token = t
+            times.last_token = t
+        if stopped:
+            gone = {r.request_id for r in stopped}
+            self.running = [r for r in running if r.request_id not in gone]
+        if k == 1:  # the step's stops are reported to the executor by the next schedule()
+            run = DecodeRun(set(), [free_after], outs, [1] * len(outs))
+            return run
+        run = self.advance_decode_steps(k - 1, token_id, step_ends[1:])
+        run.free_blocks.insert(0, free_after)
+        run.stopped[:0] = outs
+        run.stop_steps = [1] * len(outs) + [s + 1 for s in run.stop_steps]
         return run
 
 
