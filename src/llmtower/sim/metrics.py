@@ -130,7 +130,12 @@ class MetricsCollector:
         last = self._last_token
         gaps = self.itl_counts
         first = ends[0]
-        for prev, count in Counter(map(last.get, request_ids)).items():
+        prevs = list(map(last.get, request_ids))
+        if prevs and prevs.count(prevs[0]) == len(prevs):  # (mostly: the last step's end)
+            counted = ((prevs[0], len(prevs)),)
+        else:
+            counted = Counter(prevs).items()  # type: ignore[assignment]
+        for prev, count in counted:
             if prev is not None:
                 g = first - prev
                 gaps[g] = gaps.get(g, 0) + count
@@ -168,6 +173,16 @@ class MetricsCollector:
         tl.running.append(running)
         tl.swapped.append(swapped)
         tl.kv_usage.append(kv_usage)
+
+    def on_steps(self, replica: int, starts: list[float], running: list[int],
+                 kv_usage: list[float]) -> None:
+        """``on_step`` for several steps of a decode run (nothing waiting or swapped)."""
+        tl = self.timelines[replica]
+        tl.t.extend(starts)
+        tl.waiting.extend(repeat(0, len(starts)))
+        tl.running.extend(running)
+        tl.swapped.extend(repeat(0, len(starts)))
+        tl.kv_usage.extend(kv_usage)
 
     @property
     def num_unfinished(self) -> int:

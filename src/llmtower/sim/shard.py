@@ -293,32 +293,38 @@ class ReplicaShard:
         ex = rep.executor
         ends = plan.ends[:j]
         rep.clock.now = ends[-1]
-        rids = [r.request_id for r in sched.running]
-        n = len(rids)
+        n = len(sched.running)
         run = sched.advance_decode_steps(j, SIM_TOKEN, ends, plan.in_flight)
         if run.finished_req_ids:
             ex.forget(run.finished_req_ids)
-        num_blocks = sched.kv.pool.num_blocks
-        metrics = self.metrics
         stop_steps = run.stop_steps
-        num_stops = len(stop_steps)
-        p = 0
-        alive = []  # requests in each step
-        executed = plan.in_flight is not None  # the first step: counted and recorded already
-        for s in range(j):
-            alive.append(n)
-            if s or not executed:
-                ex.num_steps += 1
-                ex.busy_s += plan.dts[s]
-                usage = 1.0 - run.free_blocks[s] / num_blocks
-                if usage > rep.peak_kv_usage:
-                    rep.peak_kv_usage = usage
-                metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
-            while p < num_stops and stop_steps[p] == s + 1:
-                n -= 1
-                p += 1
+        if stop_steps:  # requests in each step: those that stop leave after their step
+            alive = []
+            p = 0
+            for s in range(1, j + 1):
+                alive.append(n)
+                while p < len(stop_steps) and stop_steps[p] == s:
+                    n -= 1
+                    p += 1
+        else:
+            alive = [n] * j
+        # The first step in flight was counted and recorded when it was executed.
+        first = 0 if plan.in_flight is None else 1
+        num_blocks = sched.kv.pool.num_blocks
+        usages = [1.0 - f / num_blocks for f in run.free_blocks[first:j]]
+        if usages:
+            peak = max(usages)
+            if peak > rep.peak_kv_usage:
+                rep.peak_kv_usage = peak
+            busy = ex.busy_s
+            for dt in plan.dts[first:j]:  # (added one by one, as the executor does)
+                busy += dt
+            ex.busy_s = busy
+            ex.num_steps += j - first
+            self.metrics.on_steps(ri, plan.starts[first:j], alive[first:], usages)
+        metrics = self.metrics
         ex.last_step_s = plan.dts[j - 1]
-        metrics.on_decode_steps(rids, ends, alive)
+        metrics.on_decode_steps(run.request_ids, ends, alive)
         for out, s in zip(run.stopped, stop_steps):
             metrics.on_finished(out, ends[s - 1], ri)
         self.num_events += j - 1  # the boundaries between its steps

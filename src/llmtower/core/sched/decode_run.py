@@ -50,6 +50,7 @@ class DecodeRun:
     free_blocks: list[int] = field(default_factory=list)
     stopped: list[EngineCoreOutput] = field(default_factory=list)
     stop_steps: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # the first step's batch, in order
 
 
 @dataclass
@@ -183,12 +184,10 @@ class DecodeRunMixin(SchedulerState):
         would: requests that stop within them are finished as ``update_from_output`` finishes
         them, the others decode on. Step s ends at ``step_ends[s - 1]`` (default: the clock's
         now, for every step: then only the last step may stop requests). With ``in_flight``
-        (as planned by ``decode_run_ahead``) the first step is that one: its outputs are
-        applied, then ``k - 1`` plain decode steps."""
+        (as planned by ``decode_run_ahead``) the first step is that one: scheduled already,
+        its outputs are applied here (every request samples ``token_id``; no logprobs)."""
         assert k >= 1
-        if in_flight is not None:
-            assert step_ends is not None, "a run from a step in flight needs its step ends"
-            return self._advance_from_in_flight(k, token_id, step_ends)
+        assert in_flight is None or step_ends is not None, "a step in flight needs its end"
         kv = self.kv
         pool = kv.pool
         bs = self.cache_config.block_size
@@ -196,39 +195,65 @@ class DecodeRunMixin(SchedulerState):
         req_to_blocks = kv.req_to_blocks
         max_len = self.max_len
         now = self.clock()
-        # (step, phase, batch index): a step's allocations (0, while scheduled) come before
-        # its outputs (1: a block registered in the prefix cache, 2: the request stops), in
-        # batch order; a request's registration before its stop, as update_from_output does.
+        end = now if step_ends is None else step_ends[k - 1]
+        # Steps already scheduled (allocated): the first, when it is in flight.
+        done = 0 if in_flight is None else 1
+        # (step, phase, code): a step's allocations (phase 0, code = batch index i, while
+        # scheduled) come before its outputs (phase 1, in batch order: code 2i registers a
+        # block that filled in the prefix cache, 2i + 1 stops the request), as
+        # update_from_output applies them: a request's registration before its stop.
         events: list[tuple[int, int, int]] = []
-        starts = []
-        ends = []
+        bases = []
+        run = DecodeRun(self.finished_req_ids)
+        self.finished_req_ids = set()
+        request_ids = run.request_ids
+        last_batch = []
         running = self.running
+        tail = [token_id] * k
         for i, req in enumerate(running):
-            c = req.num_computed_tokens
-            starts.append(c)
-            last = _last_step_of(req, token_id, max_len)
-            if last <= k:
+            rid = req.request_id
+            request_ids.append(rid)
+            # Step s computes the token at position base + s - 1 (for s > done).
+            base = req.num_computed_tokens - done
+            bases.append(base)
+            # _last_step_of, inline (this loop runs for every request of every run).
+            num_tokens = len(req.all_token_ids)
+            num_output = num_tokens - req.num_prompt_tokens
+            last = req.max_tokens - num_output
+            if max_len - num_tokens < last:
+                last = max_len - num_tokens
+            sp = req.sampling_params
+            if ((token_id == req.eos_token_id and not sp.ignore_eos)
+                    or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
+                last = min(last, sp.min_tokens - num_output)
+            stops = last <= k
+            if stops:
                 events.append((last, 1, i + i + 1))
             else:
                 last = k
-            ends.append(last)
-            # Step s computes the token at position c + s - 1 and needs a new block when that
-            # position is past the request's blocks: first at s = blocks * bs - c + 1.
-            s = len(req_to_blocks[req.request_id]) * bs - c + 1
+            if last == k:
+                last_batch.append(req)
+            # A new block where that position is past the request's blocks.
+            s = len(req_to_blocks[rid]) * bs - base + 1
             while s <= last:
                 events.append((s, 0, i))
                 s += bs
             if caching:
-                # After step s, c + s tokens are computed, and a block that filled is
-                # registered (c // bs are already): at every s where c + s crosses a multiple.
-                s = bs - c % bs
+                # After step s, base + s tokens are computed, and a block that filled is
+                # registered: at every s where base + s crosses a multiple of bs.
+                s = bs - base % bs
                 while s <= last:
                     events.append((s, 1, i + i))
                     s += bs
-            req.all_token_ids.extend([token_id] * last)
+            req.all_token_ids.extend(tail if last == k else tail[:last])
+            if stops:
+                continue  # its count and times are set when it stops
+            req.num_computed_tokens = base + k
+            times = req.times
+            if not times.first_token:  # (in flight: a prefill's first token, in step 1)
+                times.first_token = end if step_ends is None else step_ends[0]
+            times.last_token = end
         events.sort()
-        run = DecodeRun(self.finished_req_ids)
-        self.finished_req_ids = set()
         free_after = run.free_blocks
         last_new: dict[str, list[int]] = {}
         stopped: list[Request] = []
@@ -241,7 +266,7 @@ class DecodeRunMixin(SchedulerState):
             if phase == 0:
                 # What kv.allocate_slots(req, 1) does for a decode crossing into a new block
                 # (no window, no hits); decode_run_ahead promised the run its free blocks.
-                rid = running[i].request_id
+                rid = request_ids[i]
                 new = pool.allocate(1)
                 req_to_blocks[rid].append(new[0])
                 if s == k:
@@ -252,13 +277,12 @@ class DecodeRunMixin(SchedulerState):
                 step_no += 1
             req = running[i >> 1]
             if not i & 1:
-                kv.cache_blocks(req, starts[i >> 1] + s)
+                kv.cache_blocks(req, bases[i >> 1] + s)
                 continue
             # The request stops in step s: its last token, then finished at the step's end.
             assert s == k or step_ends is not None, "stops before the last step need step_ends"
-            req.num_computed_tokens = starts[i >> 1] + s
+            req.num_computed_tokens = bases[i >> 1] + s
             t = now if step_ends is None else step_ends[s - 1]
-            req.times.last_token = t
             status = check_stop(req, token_id)
             assert status is not None, "decode_run_ahead promised this stop"
             out = _new_output(req, [token_id], None, t)
@@ -272,68 +296,12 @@ class DecodeRunMixin(SchedulerState):
         while step_no <= k:
             free_after.append(pool.num_free_blocks)
             step_no += 1
-        end = now if step_ends is None else step_ends[k - 1]
-        last_step = []
-        for i, req in enumerate(running):
-            if ends[i] == k:
-                last_step.append(req)
-                if req.status == RequestStatus.RUNNING:
-                    req.num_computed_tokens = starts[i] + k
-                    req.times.last_token = end
-        self.num_steps += k
-        self._last = _last_step(last_step, self, last_new)
+        self.num_steps += k - done
+        if k > done:  # (else the step in flight is the last one schedule() made)
+            self._last = _last_step(last_batch, self, last_new)
         if stopped:
             gone = {r.request_id for r in stopped}
             self.running = [r for r in running if r.request_id not in gone]
-        return run
-
-
-    def _advance_from_in_flight(self, k: int, token_id: int,
-                                step_ends: Sequence[float]) -> DecodeRun:
-        """The in-flight step's outputs as ``update_from_output`` applies them (every request
-        samples ``token_id``; no logprobs, no drafts), in batch order: a block that filled is
-        registered, the token appended, the first token's time set, a request that stops
-        finished; then ``k - 1`` plain decode steps."""
-        kv = self.kv
-        caching = kv.enable_prefix_caching
-        num_cached = kv.num_cached_blocks
-        bs = self.cache_config.block_size
-        max_len = self.max_len
-        t = step_ends[0]
-        free_after = kv.pool.num_free_blocks  # the step's allocations are all done
-        check_stop = self._check_stop
-        stopped: list[Request] = []
-        outs: list[EngineCoreOutput] = []
-        running = self.running
-        for req in running:
-            computed = req.num_computed_tokens
-            if caching and computed // bs > num_cached.get(req.request_id, 0):
-                kv.cache_blocks(req, computed)  # a block just filled
-            req.all_token_ids.append(token_id)
-            num_tokens = computed + 1
-            # _check_stop only where it may say stop (a superset of its conditions).
-            if (num_tokens - req.num_prompt_tokens >= req.max_tokens or num_tokens >= max_len
-                    or req.eos_token_id == token_id or req.sampling_params.stop_token_ids):
-                status = check_stop(req, token_id)
-                if status is not None:
-                    out = _new_output(req, [token_id], None, t)
-                    self._stop(req, status, out, True, stopped, t)  # type: ignore[attr-defined]
-                    outs.append(out)
-                    continue
-            times = req.times
-            if not times.first_token:
-                times.first_token = t
-            times.last_token = t
-        if stopped:
-            gone = {r.request_id for r in stopped}
-            self.running = [r for r in running if r.request_id not in gone]
-        if k == 1:  # the step's stops are reported to the executor by the next schedule()
-            run = DecodeRun(set(), [free_after], outs, [1] * len(outs))
-            return run
-        run = self.advance_decode_steps(k - 1, token_id, step_ends[1:])
-        run.free_blocks.insert(0, free_after)
-        run.stopped[:0] = outs
-        run.stop_steps = [1] * len(outs) + [s + 1 for s in run.stop_steps]
         return run
 
 
