@@ -133,7 +133,16 @@ class DecodeRunMixin(SchedulerState):
                     or (num_cached is not None
                         and num_cached.get(req.request_id, 0) != computed // bs)):
                 return _NO_RUN
-            last = _last_step_of(req, token_id, max_len)
+            # The step of the run in which it stops: the first whose token ends it
+            # (_check_stop's conditions; inline: this runs for every request at every step).
+            num_output = num_tokens - req.num_prompt_tokens
+            last = req.max_tokens - num_output
+            if max_len - num_tokens < last:
+                last = max_len - num_tokens
+            sp = req.sampling_params
+            if ((token_id == req.eos_token_id and not sp.ignore_eos)
+                    or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
+                last = min(last, sp.min_tokens - num_output)
             if last <= 0:
                 return _NO_RUN
             if past_stops:
@@ -216,7 +225,7 @@ class DecodeRunMixin(SchedulerState):
             # Step s computes the token at position base + s - 1 (for s > done).
             base = req.num_computed_tokens - done
             bases.append(base)
-            # _last_step_of, inline (this loop runs for every request of every run).
+            # The step in which it stops (as in _decode_run).
             num_tokens = len(req.all_token_ids)
             num_output = num_tokens - req.num_prompt_tokens
             last = req.max_tokens - num_output
@@ -306,19 +315,6 @@ class DecodeRunMixin(SchedulerState):
 
 
 _NO_RUN = DecodeRunShape(0)
-
-
-def _last_step_of(req: Request, token_id: int, max_len: int) -> int:
-    """The step (1-based) of a run in which the decoding ``req`` stops if it samples
-    ``token_id`` every step: the step whose token ends it (``_check_stop``'s conditions)."""
-    num_tokens = len(req.all_token_ids)
-    num_output = num_tokens - req.num_prompt_tokens
-    last = min(req.max_tokens - num_output, max_len - num_tokens)
-    sp = req.sampling_params
-    if ((token_id == req.eos_token_id and not sp.ignore_eos)
-            or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
-        last = min(last, sp.min_tokens - num_output)
-    return last
 
 
 def _last_step(running: list[Request], sched: SchedulerState,
