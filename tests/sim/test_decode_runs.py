@@ -65,3 +65,15 @@ def test_runs_cut_by_state_reports_change_nothing(runs_applied):
     bulk = _run(trace, True, "coordinator", interval=0.05)
     assert runs_applied[0] > 0
     _same(stepwise, bulk)
+
+
+def test_runs_that_admit_and_finish_requests_uncut_change_nothing(runs_applied):
+    """Sparse arrivals and short outputs: runs that start at the step admitting a request go
+    uncut to its last token (its first token's time is that step's end), and past the stops
+    of the others."""
+    trace = generate(WorkloadSpec(num_requests=40, rate=2.0, input_len="uniform:8-64",
+                                  output_len="uniform:1-40", seed=6))
+    stepwise = _run(trace, False)
+    bulk = _run(trace, True)
+    assert runs_applied[0] > stepwise.summary["num_steps"] / 2, runs_applied[0]
+    _same(stepwise, bulk)

@@ -39,8 +39,8 @@ class Twin:
                    for r in ids]
         self.now += 1.0
         outs = self.sched.update_from_output(so, ModelRunnerOutput(ids, sampled))
-        self.finished += [(o.request_id, o.finish_reason, self.now) for o in outs.outputs
-                          if o.finish_reason]
+        self.finished += [(o.request_id, o.finish_reason, self.now, _times(o))
+                          for o in outs.outputs if o.finish_reason]
 
     def state(self) -> tuple:
         s = self.sched
@@ -54,6 +54,13 @@ class Twin:
                 sorted((h, b.block_id) for h, b in pool.cached.items()), pool.num_evictions,
                 s.num_steps, sorted(s.finished_req_ids), self.finished,
                 s._last.scheduled, s._last.new_blocks)
+
+
+def _times(o) -> tuple:
+    """A finished output's timings on the scheduler's clock (its first token's time among
+    them; the arrival is wall-clock time, different for each twin)."""
+    m = o.metrics
+    return m.prefill_time, m.decode_time, m.num_generation_tokens, m.num_cached_tokens
 
 
 def _request(i: int, rng: random.Random) -> Request:
@@ -93,7 +100,7 @@ def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, se
                 ends = [bulk.now + s for s in range(1, j + 1)]
                 bulk.now += j
                 run = bulk.sched.advance_decode_steps(j, TOK, ends if past_stops else None)
-                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1])
+                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1], _times(o))
                                   for o, s in zip(run.stopped, run.stop_steps)]
                 applied += j
             else:
@@ -130,7 +137,7 @@ def test_runs_from_a_step_in_flight_equal_step_by_step(policy, caching, num_bloc
                 ends = [bulk.now + s for s in range(1, j + 1)]
                 bulk.now += j
                 run = bulk.sched.advance_decode_steps(j, TOK, ends, in_flight=so)
-                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1])
+                bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1], _times(o))
                                   for o, s in zip(run.stopped, run.stop_steps)]
                 from_flight += 1
             else:

@@ -255,12 +255,13 @@ class DecodeRunMixin(SchedulerState):
                     events.append((s, 1, i + i))
                     s += bs
             req.all_token_ids.extend(tail if last == k else tail[:last])
-            if stops:
-                continue  # its count and times are set when it stops
-            req.num_computed_tokens = base + k
             times = req.times
-            if not times.first_token:  # (in flight: a prefill's first token, in step 1)
+            if not times.first_token and not (stops and last == 1):
+                # In flight: a prefill's first token (one that ends it gets it as it stops).
                 times.first_token = end if step_ends is None else step_ends[0]
+            if stops:
+                continue  # its count and last token time are set when it stops
+            req.num_computed_tokens = base + k
             times.last_token = end
         events.sort()
         free_after = run.free_blocks
