@@ -11,13 +11,16 @@ heap over the whole cluster (``simulator.py``). ``sharded.py`` runs shards in wo
   run_to_end():          everything left
 
 Runs of plain decode steps (``decode_runs``): where the scheduler proves that its next k steps
-are plain decodes in which nobody stops before the last (``Scheduler.decode_steps_ahead``), the
-replica plans them at once: their times come from the cost model in one loop, and one heap
-entry stands for their end. Nothing is applied until the run ends or an arrival (or a state report) cuts it:
-then the steps that had started by that time are applied in one pass
-(``Scheduler.advance_decode_steps``) with their timeline rows and inter-token gaps, and the
-replica goes on with ordinary steps. A cut run and an uncut one apply the very steps that
-step-by-step simulation would, so the results are identical either way (tested).
+are plain decodes (``Scheduler.decode_run_ahead``: requests that stop within them leave the
+batch, the others go on), the replica plans them at once: their times come from the cost model
+in one loop, and one heap entry stands for their end. The step that admits arrivals starts a
+run too when everyone in it samples (a prefill among decodes): it is executed as usual, and
+its outputs are applied with the run's. Nothing is applied until the run ends or an arrival
+(or a state report) cuts it: then the steps that had started by that time are applied in one
+pass (``Scheduler.advance_decode_steps``) with their timeline rows, inter-token gaps and the
+requests that stopped, and the next step takes the arrival. A cut run and an uncut one apply
+the very steps that step-by-step simulation would, so the results are identical either way
+(tested).
 """
 from __future__ import annotations
 

@@ -1,29 +1,34 @@
 """Runs of plain decode steps, applied in one pass: what ``k`` rounds of ``schedule()`` and
 ``update_from_output()`` do when every step is provably the same kind of step.
 
-Between two events that change the batch (an arrival, a request that stops, a preemption) a
-decode-only batch repeats one decision: every running request gets one token. Nothing in
-``schedule()`` can decide otherwise while
+Between two arrivals a decode-only batch repeats one decision: every running request gets
+one token. Nothing in ``schedule()`` can decide otherwise while
 
   - nothing waits, is swapped out or waits for its grammar, and no request was added;
   - every running request is a plain decode (one token to compute, no drafts, no
     placeholders, no grammar, no forced tokens) and the batch fits the token budget;
-  - no request stops before the run's last step (its token, max_tokens, the length cap),
   - the free blocks cover every block the run's decodes cross into (so nobody is preempted);
   - and nothing else runs per step (no degradation controller, no tenant accounting, no
     block relocator, no sliding window freeing the blocks that leave it).
 
+A request that stops (its token, max_tokens, the length cap) only leaves the batch: the others
+go on decoding. ``decode_steps_ahead`` ends a run at the first such step; ``decode_run_ahead``
+goes on past them, and may start from the step ``schedule()`` has just returned (in flight:
+typically one that admits a new prompt among the decodes, in which every request samples).
+
 Within such a run a step's only state changes are: a new KV block where a decode crosses into
 one (schedule), a block registered in the prefix cache where a decode fills one (update), one
-token appended per request, the counters; and in its last step, requests that stop. ``advance_decode_steps`` applies exactly those, in
-the order k separate steps would (step by step; allocations of a step before its
-registrations; in batch order within each), so the block ids, the free list, the prefix cache,
-every request's tokens and the counters end up identical to the step-by-step run
-(tests/core/test_decode_run.py compares them, and tests/sim/test_decode_runs.py a whole
-simulation). Its cost is O(requests + blocks crossed) instead of O(requests x steps).
+token appended per request, the requests that stop (finished as update_from_output finishes
+them: blocks freed, outputs reported), the counters. ``advance_decode_steps`` applies exactly
+those, in the order k separate steps would (step by step; allocations of a step before its
+outputs; in batch order within each, a request's registration before its stop), so the block
+ids, the free list, the prefix cache, every request's tokens and times and the counters end up
+identical to the step-by-step run (tests/core/sched/test_decode_run.py compares them, and
+tests/sim/test_decode_runs.py whole simulations). Its cost is O(requests + blocks crossed +
+stops) instead of O(requests x steps).
 
-The caller guarantees the executor's side: each request samples ``token_id`` every step and
-no drafts are proposed (the simulator's executor does exactly that).
+The caller guarantees the executor's side: each request samples ``token_id`` every step, no
+drafts are proposed and no logprobs asked for (the simulator's executor does exactly that).
 """
 from __future__ import annotations
 
