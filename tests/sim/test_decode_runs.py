@@ -77,3 +77,21 @@ def test_runs_that_admit_and_finish_requests_uncut_change_nothing(runs_applied):
     bulk = _run(trace, True)
     assert runs_applied[0] > stepwise.summary["num_steps"] / 2, runs_applied[0]
     _same(stepwise, bulk)
+
+
+@pytest.mark.parametrize("interval", [0.013, 0.05])
+def test_state_reports_inside_runs_read_the_step_in_flight(interval, runs_applied):
+    """A report in the middle of a run reads the state between the step in flight's schedule
+    and its outputs (requests that stop in it still running, its new blocks taken), and an
+    arrival does not apply that step before its end: the routing, hence everything, is the
+    same as step by step (short outputs: many stops inside runs)."""
+    trace = generate(WorkloadSpec(num_requests=150, rate=200.0, input_len="uniform:8-200",
+                                  output_len="uniform:1-60", seed=1))
+    res = []
+    for runs in (False, True):
+        cfg = SimConfig(engine=EngineArgs(seed=5, num_gpu_blocks=300, max_num_seqs=32),
+                        num_replicas=3, load_balancer="coordinator", routing_interval=interval,
+                        decode_runs=runs)
+        res.append(build_result(Simulator(cfg).run(trace)))
+    assert runs_applied[0] > 0
+    _same(*res)

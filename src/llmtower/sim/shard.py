@@ -62,6 +62,7 @@ class DecodePlan:
     # The step schedule() returned, executed already, whose outputs the run applies as its
     # first step (None: the run starts between steps).
     in_flight: SchedulerOutput | None = None
+    cut: bool = False  # an arrival cut it short
 
 
 @dataclass
@@ -171,7 +172,8 @@ class ReplicaShard:
         plan = self._plans.get(ri)
         if plan is not None:
             self._apply_run(rep, len(plan.ends))
-            self._plan_steps[ri] = min(MAX_RUN_PLAN, 2 * self._plan_steps[ri])
+            if not plan.cut:
+                self._plan_steps[ri] = min(MAX_RUN_PLAN, 2 * self._plan_steps[ri])
         elif rep.in_flight is not None:
             so, mro = rep.in_flight
             rep.in_flight = None
@@ -272,19 +274,18 @@ class ReplicaShard:
         plan.seq = self._push(now, rep.index)
 
     def _cut(self, rep: Replica, t: float) -> None:
-        """Something happens at ``t`` (an arrival, a state report): apply the planned steps
-        that had started before it (every boundary before ``t`` is processed by now); the
-        replica's next step starts at the end of the last of them."""
+        """An arrival at ``t``: the run ends with the step in flight at ``t`` (every boundary
+        before ``t`` is processed by now); its steps are applied when that step ends, as step
+        by step, and the next step, which takes the arrival, starts then."""
         plan = self._plans[rep.index]
         self._plan_steps[rep.index] = FIRST_RUN_PLAN
+        plan.cut = True
         k = len(plan.ends)
         j = 1 + bisect_left(plan.ends, t, 0, k - 1)
         if j < k:
             self._stale.add(plan.seq)
-            self._apply_run(rep, j)
-            self._push(plan.ends[j - 1], rep.index)
-        else:  # all of it: its heap entry becomes the boundary after its last step
-            self._apply_run(rep, k)
+            del plan.starts[j:], plan.dts[j:], plan.ends[j:]
+            plan.seq = self._push(plan.ends[-1], rep.index)
 
     def _apply_run(self, rep: Replica, j: int) -> None:
         """Apply the first ``j`` steps of the replica's planned run, with what each would have
@@ -334,12 +335,36 @@ class ReplicaShard:
 
     def states(self, at: float | None = None) -> dict[int, ReplicaState]:
         """Every replica's state at ``at`` (the steps before it processed already)."""
-        if at is not None:
-            for ri in list(self._plans):
-                self._cut(self.replicas[ri], at)
-        return {i: ReplicaState(r.load, len(r.scheduler.waiting), len(r.scheduler.running),
-                                r.scheduler.kv.usage())
+        return {i: (self._state_in_run(r, at) if at is not None and i in self._plans else
+                    ReplicaState(r.load, len(r.scheduler.waiting), len(r.scheduler.running),
+                                 r.scheduler.kv.usage()))
                 for i, r in self.replicas.items()}
+
+    def _state_in_run(self, rep: Replica, at: float) -> ReplicaState:
+        """The state a report at ``at`` reads in the middle of a run, as step by step: the
+        steps that ended before ``at`` applied, the one in flight at ``at`` scheduled (its new
+        blocks taken) but its outputs not applied yet (nobody stopped in it yet)."""
+        plan = self._plans[rep.index]
+        k = len(plan.ends)
+        m = bisect_left(plan.ends, at, 0, k - 1)  # steps ended before it; step m + 1 in flight
+        scheduled = m == 0 and plan.in_flight is not None  # (executed by the real schedule())
+        if m:  # the steps that ended before it are applied; the rest stays planned
+            ri = rep.index
+            self._stale.add(plan.seq)
+            self._apply_run(rep, m)
+            rest = self._plans[ri] = DecodePlan(plan.starts[m:], plan.dts[m:], plan.ends[m:], -1)
+            rest.seq = self._push(rest.ends[-1], ri)
+        sched = rep.scheduler
+        kv = sched.kv
+        free = kv.pool.num_free_blocks
+        if not scheduled:  # the decode step in flight takes a block where one is full
+            bs = kv.block_size
+            req_to_blocks = kv.req_to_blocks
+            for r in sched.running:
+                if r.num_computed_tokens >= len(req_to_blocks[r.request_id]) * bs:
+                    free -= 1
+        return ReplicaState(rep.load, len(sched.waiting), len(sched.running),
+                            1.0 - free / kv.pool.num_blocks)
 
     def totals(self) -> list[ReplicaTotals]:
         return [ReplicaTotals.of(r) for r in self.replicas.values()]
