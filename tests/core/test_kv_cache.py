@@ -36,6 +36,21 @@ def test_hash_chain_depends_on_parent_tokens_and_salt():
     assert len(hashes) == 3 and hashes[1] == hash_block(hashes[0], [4, 5, 6, 7])
 
 
+def test_hashes_extended_in_any_pieces_are_the_chain_of_hash_block():
+    """However a request's blocks are hashed (a whole prompt at once, block by block as
+    decodes fill them), each hash is hash_block(parent, tokens), salted at the first only."""
+    tokens = [(i * 7919) % (1 << 40) for i in range(70)]
+    want, parent = [], None
+    for i in range(70 // 8):
+        parent = hash_block(parent, tokens[8 * i:8 * i + 8], "s" if i == 0 else None)
+        want.append(parent)
+    for pieces in ([70], [8, 9, 40, 70], [1, 16, 17, 24, 70]):
+        hashes: list[bytes] = []
+        for n in pieces:
+            extend_block_hashes(hashes, tokens, 8, n, "s")
+        assert hashes == want
+
+
 def test_prefix_hits_share_blocks_with_ref_counts():
     kv = manager()
     r1 = make_request("r1", range(1, 11))  # 10 tokens: 2 full blocks + 2 tokens

@@ -33,9 +33,9 @@ def runs_applied(monkeypatch):
     count = [0]
     orig = Scheduler.advance_decode_steps
 
-    def counted(self, k, token_id):
+    def counted(self, k, token_id, *args):
         count[0] += k
-        return orig(self, k, token_id)
+        return orig(self, k, token_id, *args)
 
     monkeypatch.setattr(Scheduler, "advance_decode_steps", counted)
     return count
@@ -65,3 +65,33 @@ def test_runs_cut_by_state_reports_change_nothing(runs_applied):
     bulk = _run(trace, True, "coordinator", interval=0.05)
     assert runs_applied[0] > 0
     _same(stepwise, bulk)
+
+
+def test_runs_that_admit_and_finish_requests_uncut_change_nothing(runs_applied):
+    """Sparse arrivals and short outputs: runs that start at the step admitting a request go
+    uncut to its last token (its first token's time is that step's end), and past the stops
+    of the others."""
+    trace = generate(WorkloadSpec(num_requests=40, rate=2.0, input_len="uniform:8-64",
+                                  output_len="uniform:1-40", seed=6))
+    stepwise = _run(trace, False)
+    bulk = _run(trace, True)
+    assert runs_applied[0] > stepwise.summary["num_steps"] / 2, runs_applied[0]
+    _same(stepwise, bulk)
+
+
+@pytest.mark.parametrize("interval", [0.013, 0.05])
+def test_state_reports_inside_runs_read_the_step_in_flight(interval, runs_applied):
+    """A report in the middle of a run reads the state between the step in flight's schedule
+    and its outputs (requests that stop in it still running, its new blocks taken), and an
+    arrival does not apply that step before its end: the routing, hence everything, is the
+    same as step by step (short outputs: many stops inside runs)."""
+    trace = generate(WorkloadSpec(num_requests=150, rate=200.0, input_len="uniform:8-200",
+                                  output_len="uniform:1-60", seed=1))
+    res = []
+    for runs in (False, True):
+        cfg = SimConfig(engine=EngineArgs(seed=5, num_gpu_blocks=300, max_num_seqs=32),
+                        num_replicas=3, load_balancer="coordinator", routing_interval=interval,
+                        decode_runs=runs)
+        res.append(build_result(Simulator(cfg).run(trace)))
+    assert runs_applied[0] > 0
+    _same(*res)

@@ -121,21 +121,28 @@ class MetricsCollector:
             if o.finish_reason is not None:
                 self._finish(o, now, replica)
 
-    def on_decode_steps(self, request_ids: list[str], ends: list[float]) -> None:
+    def on_decode_steps(self, request_ids: list[str], ends: list[float],
+                        alive: list[int] | None = None) -> None:
         """Record a run of plain decode steps (one token per request per step, step i ending
-        at ``ends[i]``): the gaps ``on_outputs`` would count step by step (the requests that
-        finish in the last step are then passed to ``on_finished``)."""
+        at ``ends[i]``, ``alive[i]`` requests in step i: those that stop leave after their
+        step; default: all of them every step): the gaps ``on_outputs`` would count step by
+        step (the requests that stop are then passed to ``on_finished``)."""
         last = self._last_token
         gaps = self.itl_counts
         first = ends[0]
-        for prev, count in Counter(map(last.get, request_ids)).items():
+        prevs = list(map(last.get, request_ids))
+        if prevs and prevs.count(prevs[0]) == len(prevs):  # (mostly: the last step's end)
+            counted = ((prevs[0], len(prevs)),)
+        else:
+            counted = Counter(prevs).items()  # type: ignore[assignment]
+        for prev, count in counted:
             if prev is not None:
                 g = first - prev
                 gaps[g] = gaps.get(g, 0) + count
         n = len(request_ids)
         for i in range(1, len(ends)):
             g = ends[i] - ends[i - 1]
-            gaps[g] = gaps.get(g, 0) + n
+            gaps[g] = gaps.get(g, 0) + (n if alive is None else alive[i])
         last.update(zip(request_ids, repeat(ends[-1])))
 
     def on_finished(self, o: EngineCoreOutput, now: float, replica: int) -> None:
@@ -166,6 +173,16 @@ class MetricsCollector:
         tl.running.append(running)
         tl.swapped.append(swapped)
         tl.kv_usage.append(kv_usage)
+
+    def on_steps(self, replica: int, starts: list[float], running: list[int],
+                 kv_usage: list[float]) -> None:
+        """``on_step`` for several steps of a decode run (nothing waiting or swapped)."""
+        tl = self.timelines[replica]
+        tl.t.extend(starts)
+        tl.waiting.extend(repeat(0, len(starts)))
+        tl.running.extend(running)
+        tl.swapped.extend(repeat(0, len(starts)))
+        tl.kv_usage.extend(kv_usage)
 
     @property
     def num_unfinished(self) -> int:

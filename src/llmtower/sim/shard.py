@@ -11,13 +11,16 @@ heap over the whole cluster (``simulator.py``). ``sharded.py`` runs shards in wo
   run_to_end():          everything left
 
 Runs of plain decode steps (``decode_runs``): where the scheduler proves that its next k steps
-are plain decodes in which nobody stops before the last (``Scheduler.decode_steps_ahead``), the
-replica plans them at once: their times come from the cost model in one loop, and one heap
-entry stands for their end. Nothing is applied until the run ends or an arrival (or a state report) cuts it:
-then the steps that had started by that time are applied in one pass
-(``Scheduler.advance_decode_steps``) with their timeline rows and inter-token gaps, and the
-replica goes on with ordinary steps. A cut run and an uncut one apply the very steps that
-step-by-step simulation would, so the results are identical either way (tested).
+are plain decodes (``Scheduler.decode_run_ahead``: requests that stop within them leave the
+batch, the others go on), the replica plans them at once: their times come from the cost model
+in one loop, and one heap entry stands for their end. The step that admits arrivals starts a
+run too when everyone in it samples (a prefill among decodes): it is executed as usual, and
+its outputs are applied with the run's. Nothing is applied until the run ends or an arrival
+(or a state report) cuts it: then the steps that had started by that time are applied in one
+pass (``Scheduler.advance_decode_steps``) with their timeline rows, inter-token gaps and the
+requests that stopped, and the next step takes the arrival. A cut run and an uncut one apply
+the very steps that step-by-step simulation would, so the results are identical either way
+(tested).
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from llmtower.core.errors import AdmissionError, QueueFullError
+from llmtower.core.outputs import SchedulerOutput
 from llmtower.core.request import Request
+from llmtower.core.sched.decode_run import DecodeRunShape
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.sim.cluster import Replica
 from llmtower.sim.metrics import MetricsCollector
@@ -37,6 +42,12 @@ from llmtower.sim.workload import TraceRequest
 SIM_TOKEN = 1
 # A run shorter than this is simulated step by step (planning one costs about a step).
 MIN_DECODE_RUN = 2
+# Steps planned at once: a run is planned up to this many steps ahead, twice as many after
+# each one that ends uncut (up to MAX_RUN_PLAN), back to this after a cut. An arrival cuts a
+# run, and the steps planned past the cut are wasted work; a run that ends uncut is followed
+# by the next one at the cost of one more plan.
+FIRST_RUN_PLAN = 16
+MAX_RUN_PLAN = 4096
 
 
 @dataclass
@@ -48,6 +59,10 @@ class DecodePlan:
     dts: list[float]
     ends: list[float]
     seq: int
+    # The step schedule() returned, executed already, whose outputs the run applies as its
+    # first step (None: the run starts between steps).
+    in_flight: SchedulerOutput | None = None
+    cut: bool = False  # an arrival cut it short
 
 
 @dataclass
@@ -104,6 +119,7 @@ class ReplicaShard:
         self.decode_runs = decode_runs
         self._plans: dict[int, DecodePlan] = {}
         self._stale: set[int] = set()
+        self._plan_steps = dict.fromkeys(self.replicas, FIRST_RUN_PLAN)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else float("inf")
@@ -156,6 +172,8 @@ class ReplicaShard:
         plan = self._plans.get(ri)
         if plan is not None:
             self._apply_run(rep, len(plan.ends))
+            if not plan.cut:
+                self._plan_steps[ri] = min(MAX_RUN_PLAN, 2 * self._plan_steps[ri])
         elif rep.in_flight is not None:
             so, mro = rep.in_flight
             rep.in_flight = None
@@ -177,7 +195,8 @@ class ReplicaShard:
         metrics = self.metrics
         rep.clock.advance_to(t)
         sched = rep.scheduler
-        if rep.pending:
+        arrived = bool(rep.pending)
+        if arrived:
             for req in rep.pending:
                 try:
                     sched.add_request(req)
@@ -186,10 +205,10 @@ class ReplicaShard:
             rep.pending.clear()
         if not sched.requests:
             return False
-        if self.decode_runs:
-            k = sched.decode_steps_ahead(SIM_TOKEN)
-            if k >= MIN_DECODE_RUN:
-                self._plan(rep, k)
+        if self.decode_runs and not arrived:
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index])
+            if shape.num_steps >= MIN_DECODE_RUN:
+                self._plan(rep, shape)
                 return False  # the run's end is in the heap
         so = sched.schedule()
         usage = sched.kv.usage()
@@ -200,81 +219,152 @@ class ReplicaShard:
         if so.total_num_scheduled_tokens == 0 and not so.blocks_to_swap_out:
             rep.executor.forget(so.finished_req_ids)
             return False
-        rep.in_flight = (so, rep.executor.execute_model(so))
+        mro = rep.executor.execute_model(so)
+        if self.decode_runs and not sched.waiting:
+            # The step that admitted arrivals may be the first of a run (its outputs applied
+            # with the run's decode steps).
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index], so)
+            if shape.num_steps >= MIN_DECODE_RUN:
+                self._plan(rep, shape, so, t)
+                return False
+        rep.in_flight = (so, mro)
         return True
 
     # ------------------------------------------------------------------ decode runs
-    def _plan(self, rep: Replica, k: int) -> None:
-        """Plan ``k`` plain decode steps from the replica's now: their times, step by step as the executor
-        would add them to its clock (the same shapes: n tokens, n sampled, a context that
-        grows by n a step)."""
+    def _plan(self, rep: Replica, shape: DecodeRunShape, in_flight: SchedulerOutput | None = None,
+              start: float = 0.0) -> None:
+        """Plan a run of plain decode steps from the replica's now: their times, step by step
+        as the executor would add them to its clock (the same shapes: n tokens, n sampled, a
+        context of the requests' computed tokens after the step; a request that stops in a
+        step leaves the batch after it). With ``in_flight``, the step executed from ``start``
+        to now is the run's first."""
         running = rep.scheduler.running
         n = len(running)
-        computed = sum(r.num_computed_tokens for r in running)
+        computed = sum(r.num_computed_tokens for r in running)  # before the run's decodes
+        stops = shape.stops
+        num_stops = len(stops)
+        p = 0
         step_time = rep.executor.cost_model.step_time
         starts, dts, ends = [], [], []
         now = rep.clock.now
-        for _ in range(k):
-            ctx = computed + n
+        first = 1
+        offset = 0
+        if in_flight is not None:
+            starts.append(start)
+            dts.append(rep.executor.last_step_s)
+            ends.append(now)
+            while p < num_stops and stops[p][0] == 1:
+                n -= 1
+                computed -= stops[p][1]
+                p += 1
+            first = 2
+            offset = 1
+        for s in range(first, shape.num_steps + 1):
+            ctx = computed + (s - offset) * n
             dt = step_time(n, n, ctx, ctx, n, 0)
             starts.append(now)
             dts.append(dt)
             now += dt
             ends.append(now)
-            computed += n
-        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1)
+            while p < num_stops and stops[p][0] == s:
+                n -= 1
+                computed -= stops[p][1]
+                p += 1
+        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1, in_flight)
         plan.seq = self._push(now, rep.index)
 
     def _cut(self, rep: Replica, t: float) -> None:
-        """Something happens at ``t`` (an arrival, a state report): apply the planned steps
-        that had started before it (every boundary before ``t`` is processed by now); the
-        replica's next step starts at the end of the last of them."""
+        """An arrival at ``t``: the run ends with the step in flight at ``t`` (every boundary
+        before ``t`` is processed by now); its steps are applied when that step ends, as step
+        by step, and the next step, which takes the arrival, starts then."""
         plan = self._plans[rep.index]
+        self._plan_steps[rep.index] = FIRST_RUN_PLAN
+        plan.cut = True
         k = len(plan.ends)
         j = 1 + bisect_left(plan.ends, t, 0, k - 1)
         if j < k:
             self._stale.add(plan.seq)
-            self._apply_run(rep, j)
-            self._push(plan.ends[j - 1], rep.index)
-        else:  # all of it: its heap entry becomes the boundary after its last step
-            self._apply_run(rep, k)
+            del plan.starts[j:], plan.dts[j:], plan.ends[j:]
+            plan.seq = self._push(plan.ends[-1], rep.index)
 
     def _apply_run(self, rep: Replica, j: int) -> None:
         """Apply the first ``j`` steps of the replica's planned run, with what each would have
-        recorded: the executor's counters and clock, the timeline rows, the gaps."""
+        recorded: the executor's counters and clock, the timeline rows, the gaps, the
+        requests that stopped."""
         ri = rep.index
         plan = self._plans.pop(ri)
         sched = rep.scheduler
         ex = rep.executor
-        end = rep.clock.now = plan.ends[j - 1]
-        rids = [r.request_id for r in sched.running]
-        n = len(rids)
-        run = sched.advance_decode_steps(j, SIM_TOKEN)
+        ends = plan.ends[:j]
+        rep.clock.now = ends[-1]
+        n = len(sched.running)
+        run = sched.advance_decode_steps(j, SIM_TOKEN, ends, plan.in_flight)
         if run.finished_req_ids:
             ex.forget(run.finished_req_ids)
+        stop_steps = run.stop_steps
+        if stop_steps:  # requests in each step: those that stop leave after their step
+            alive = []
+            p = 0
+            for s in range(1, j + 1):
+                alive.append(n)
+                while p < len(stop_steps) and stop_steps[p] == s:
+                    n -= 1
+                    p += 1
+        else:
+            alive = [n] * j
+        # The first step in flight was counted and recorded when it was executed.
+        first = 0 if plan.in_flight is None else 1
         num_blocks = sched.kv.pool.num_blocks
+        usages = [1.0 - f / num_blocks for f in run.free_blocks[first:j]]
+        if usages:
+            peak = max(usages)
+            if peak > rep.peak_kv_usage:
+                rep.peak_kv_usage = peak
+            busy = ex.busy_s
+            for dt in plan.dts[first:j]:  # (added one by one, as the executor does)
+                busy += dt
+            ex.busy_s = busy
+            ex.num_steps += j - first
+            self.metrics.on_steps(ri, plan.starts[first:j], alive[first:], usages)
         metrics = self.metrics
-        for s in range(j):
-            ex.num_steps += 1
-            ex.busy_s += plan.dts[s]
-            usage = 1.0 - run.free_blocks[s] / num_blocks
-            if usage > rep.peak_kv_usage:
-                rep.peak_kv_usage = usage
-            metrics.on_step(ri, plan.starts[s], 0, n, 0, usage)
         ex.last_step_s = plan.dts[j - 1]
-        metrics.on_decode_steps(rids, plan.ends[:j])
-        for out in run.stopped:
-            metrics.on_finished(out, end, ri)
+        metrics.on_decode_steps(run.request_ids, ends, alive)
+        for out, s in zip(run.stopped, stop_steps):
+            metrics.on_finished(out, ends[s - 1], ri)
         self.num_events += j - 1  # the boundaries between its steps
 
     def states(self, at: float | None = None) -> dict[int, ReplicaState]:
         """Every replica's state at ``at`` (the steps before it processed already)."""
-        if at is not None:
-            for ri in list(self._plans):
-                self._cut(self.replicas[ri], at)
-        return {i: ReplicaState(r.load, len(r.scheduler.waiting), len(r.scheduler.running),
-                                r.scheduler.kv.usage())
+        return {i: (self._state_in_run(r, at) if at is not None and i in self._plans else
+                    ReplicaState(r.load, len(r.scheduler.waiting), len(r.scheduler.running),
+                                 r.scheduler.kv.usage()))
                 for i, r in self.replicas.items()}
+
+    def _state_in_run(self, rep: Replica, at: float) -> ReplicaState:
+        """The state a report at ``at`` reads in the middle of a run, as step by step: the
+        steps that ended before ``at`` applied, the one in flight at ``at`` scheduled (its new
+        blocks taken) but its outputs not applied yet (nobody stopped in it yet)."""
+        plan = self._plans[rep.index]
+        k = len(plan.ends)
+        m = bisect_left(plan.ends, at, 0, k - 1)  # steps ended before it; step m + 1 in flight
+        scheduled = m == 0 and plan.in_flight is not None  # (executed by the real schedule())
+        if m:  # the steps that ended before it are applied; the rest stays planned
+            ri = rep.index
+            self._stale.add(plan.seq)
+            self._apply_run(rep, m)
+            rest = self._plans[ri] = DecodePlan(plan.starts[m:], plan.dts[m:], plan.ends[m:], -1)
+            rest.seq = self._push(rest.ends[-1], ri)
+        sched = rep.scheduler
+        kv = sched.kv
+        free = kv.pool.num_free_blocks
+        if not scheduled:  # the decode step in flight takes a block where one is full
+            bs = kv.block_size
+            req_to_blocks = kv.req_to_blocks
+            for r in sched.running:
+                if r.num_computed_tokens >= len(req_to_blocks[r.request_id]) * bs:
+                    free -= 1
+        return ReplicaState(rep.load, len(sched.waiting), len(sched.running),
+                            1.0 - free / kv.pool.num_blocks)
 
     def totals(self) -> list[ReplicaTotals]:
         return [ReplicaTotals.of(r) for r in self.replicas.values()]

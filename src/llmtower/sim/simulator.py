@@ -159,9 +159,13 @@ class Simulator:
         cfg = self.config
         replicas = [Replica(i, self.scheduler_config, self.cache_config, self.cost_model)
                     for i in indices]
-        return ReplicaShard(replicas, cfg.num_replicas, self.max_model_len,
-                            cfg.oracle_output_len, self.scheduler_config.policy == "priority",
-                            cfg.decode_runs and decode_runs)
+        shard = ReplicaShard(replicas, cfg.num_replicas, self.max_model_len,
+                             cfg.oracle_output_len, self.scheduler_config.policy == "priority",
+                             cfg.decode_runs and decode_runs)
+        # The replicas' KV blocks (hundreds of thousands) live as long as the run: out of the
+        # cycle collector's scans too (few_gc_passes unfreezes them at the end).
+        gc.freeze()
+        return shard
 
     def _run(self, trace: list[TraceRequest], progress: ProgressFn | None = None
              ) -> tuple[MetricsCollector, list[ReplicaTotals], int]:

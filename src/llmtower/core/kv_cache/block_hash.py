@@ -15,13 +15,19 @@ from __future__ import annotations
 
 from array import array
 from hashlib import blake2b
+from struct import Struct
 
 _ROOT = b"llmtower-root"
+# A fresh hasher, copied for each block: cheaper than building one with its parameters.
+_EMPTY = blake2b(digest_size=16)
+# Block size -> the packer of a block's token ids as native int64s (array("q")'s bytes).
+_PACKERS: dict[int, Struct] = {}
 
 
 def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...],
                extra_key: str | None = None) -> bytes:
-    h = blake2b(parent if parent is not None else _ROOT, digest_size=16)
+    h = _EMPTY.copy()
+    h.update(parent if parent is not None else _ROOT)
     h.update(array("q", token_ids).tobytes())
     if extra_key is not None:
         h.update(b"\x00salt\x00" + extra_key.encode())
@@ -37,8 +43,24 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: list[int], block_s
     """
     start = len(block_hashes)
     end = num_tokens // block_size
-    parent = block_hashes[-1] if block_hashes else None
-    for i in range(start, end):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            cache_salt if i == 0 else None)
+    if start >= end:
+        return
+    if start == 0:
+        parent = hash_block(None, token_ids[:block_size], cache_salt)
         block_hashes.append(parent)
+        start = 1
+    else:
+        parent = block_hashes[-1]
+    # The blocks after the first carry no salt: each hash is H(parent || the block's int64
+    # tokens), as hash_block computes it.
+    pack = _PACKERS.get(block_size)
+    if pack is None:
+        pack = _PACKERS[block_size] = Struct(f"={block_size}q")
+    copy = _EMPTY.copy
+    append = block_hashes.append
+    for i in range(start * block_size, end * block_size, block_size):
+        h = copy()
+        h.update(parent)
+        h.update(pack.pack(*token_ids[i:i + block_size]))
+        parent = h.digest()
+        append(parent)

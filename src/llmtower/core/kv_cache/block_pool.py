@@ -14,7 +14,7 @@ hash -> block map of the prefix cache.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 class KVCacheBlock:
@@ -86,6 +86,45 @@ class FreeBlockQueue:
         self.remove(block)  # type: ignore[arg-type]
         return block  # type: ignore[return-value]
 
+    def popleft_many(self, n: int) -> list[KVCacheBlock]:
+        """The ``n`` blocks at the head, unlinked (``n`` <= ``num_free``): what ``n`` calls of
+        ``popleft`` return, in one pass (an allocation takes a prompt's worth at once)."""
+        if n > self.num_free:
+            raise RuntimeError("no free KV block left")
+        head = self.head
+        free_map = self.free_map
+        out: list[KVCacheBlock] = []
+        b: KVCacheBlock = head.next_free  # type: ignore[assignment]
+        for _ in range(n):
+            out.append(b)
+            free_map[b.block_id] = 0
+            nxt = b.next_free
+            b.prev_free = b.next_free = None
+            b = nxt  # type: ignore[assignment]
+        head.next_free = b
+        b.prev_free = head
+        self.num_free -= n
+        return out
+
+    def link_released(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in order; one reaching zero is linked as
+        ``appendleft`` (unhashed: reused first) or ``append`` (hashed: evicted last) would."""
+        head = self.head
+        tail = self.tail
+        free_map = self.free_map
+        linked = 0
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                prev = head if b.block_hash is None else tail.prev_free
+                nxt = prev.next_free  # type: ignore[union-attr]
+                b.prev_free, b.next_free = prev, nxt
+                prev.next_free = b  # type: ignore[union-attr]
+                nxt.prev_free = b  # type: ignore[union-attr]
+                free_map[b.block_id] = 1
+                linked += 1
+        self.num_free += linked
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self.head.next_free
         while b is not None and b is not self.tail:
@@ -122,26 +161,18 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVCacheBlock]:
         if n > self.free_queue.num_free:
             raise RuntimeError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
-        out = []
-        for _ in range(n):
-            b = self.free_queue.popleft()
+        out = self.free_queue.popleft_many(n)
+        for b in out:
             if b.block_hash is not None:  # evict: its content is about to be overwritten
                 del self.cached[b.block_hash]
                 b.block_hash = None
                 self.num_evictions += 1
             b.ref_cnt = 1
-            out.append(b)
         return out
 
     def free(self, blocks_in_free_order) -> None:
         """Drop one reference from each block; a block reaching zero joins the free list."""
-        for b in blocks_in_free_order:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if b.block_hash is None:
-                    self.free_queue.appendleft(b)
-                else:
-                    self.free_queue.append(b)
+        self.free_queue.link_released(blocks_in_free_order)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Register a full block under its hash, unless an equal block is cached already

@@ -91,16 +91,26 @@ class KVCacheManager:
         # Only blocks whose tokens are all known: under --async-scheduling the computed count
         # already covers the input of a step in flight, a token not sampled yet, and a block
         # hashed without it would be registered under the hash of its first slots alone.
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        token_ids = request.all_token_ids
+        bs = self.block_size
+        num_full = min(num_computed_tokens, len(token_ids)) // bs
         start = self.num_cached_blocks.get(rid, 0)
         if num_full <= start:
             return
         blocks = self.req_to_blocks[rid]
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            num_full * self.block_size, block_extra_key(request))
         hashes = request.block_hashes
-        for i in range(max(start, self.num_dead_blocks.get(rid, 0)), num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, token_ids, bs, num_full * bs, block_extra_key(request))
+        if self.num_dead_blocks:
+            start = max(start, self.num_dead_blocks.get(rid, 0))
+        # pool.cache_block for each, in order (this runs for every block a request fills).
+        cached = self.pool.cached
+        for i in range(start, num_full):
+            b = blocks[i]
+            h = hashes[i]
+            if b.block_hash is None and h not in cached:
+                b.block_hash = h
+                cached[h] = b
         self.num_cached_blocks[rid] = num_full
 
     def uncache_blocks(self, request: Request, start: int) -> None:

@@ -95,16 +95,17 @@ class ApplyOutputMixin(GrammarMixin):
         return new_tokens, status
 
     def _stop(self, req: Request, status: RequestStatus, out: EngineCoreOutput, running: bool,
-              stopped: list[Request]) -> None:
-        """End ``req`` with ``status`` now; a running one leaves ``running`` after the loop
-        (``stopped``), in one pass rather than one O(n) removal each."""
+              stopped: list[Request], now: float | None = None) -> None:
+        """End ``req`` with ``status`` now (or at ``now``: a step of a decode run); a running
+        one leaves ``running`` after the loop (``stopped``), in one pass rather than one O(n)
+        removal each."""
         if running:
             stopped.append(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
         else:
             self.waiting.remove(req)
-        self._finish(req, status)
+        self._finish(req, status, now)
         out.finish_reason = status.finish_reason
         out.stop_reason = req.stop_reason
         out.metrics = request_metrics(req)

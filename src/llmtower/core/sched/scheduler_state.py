@@ -96,14 +96,15 @@ class SchedulerState:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        """End ``req`` (already off its queue): free its blocks and grammar, forget it, and
-        tell the executor at the next step if it holds the request's data."""
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        """End ``req`` (already off its queue) at ``now`` (default: the clock's now): free its
+        blocks and grammar, forget it, and tell the executor at the next step if it holds the
+        request's data."""
         if req.structured_output is not None:
             req.structured_output = None  # frees the matcher
             self._forced_token_ids.pop(req.request_id, None)
         req.status = status
-        req.times.finished = self.clock()
+        req.times.finished = self.clock() if now is None else now
         self.kv.free(req)
         del self.requests[req.request_id]
         self.policy.on_finish(req)
