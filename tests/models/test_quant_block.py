@@ -37,7 +37,7 @@ def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
         return real_rows(self, start, end)
 
     monkeypatch.setattr(type(parts[0]), "rows", counted_rows)
-    monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 64 * 4 * k)  # 64 rows a slab
+    monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 64 * 2 * k)  # 64 rows a slab
     monkeypatch.setattr(quant_block, "DEQUANT_SLAB_MIN_ROWS", 16)
     got = layer(x, bias)
     assert slabs == [64, 64, 64, 8, 64, 8]  # never more than a slab's rows dequantized at once
@@ -55,3 +55,13 @@ def test_a_slab_is_a_view_of_the_rows():
     assert w.rows(3, 7).data.data_ptr() == w.data.data_ptr() + 3 * w.row_bytes
     with pytest.raises(IndexError):
         w.rows(5, 11)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_bfloat16_dequantization_is_the_float32_values_rounded(qtype):
+    if not ops.capabilities().can_run("quant_gemm"):
+        pytest.skip(ops.capabilities().why_not("quant_gemm"))
+    w = from_numpy(int(qtype), random_blocks(qtype, 37, 512, seed=4), 37, 512)
+    assert torch.equal(w.dequantize(dtype=torch.bfloat16), w.dequantize().to(torch.bfloat16))
+    idx = torch.tensor([36, 0, 5])
+    assert torch.equal(w.dequantize(idx, torch.bfloat16), w.dequantize(idx).to(torch.bfloat16))

@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 #include "threads.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
@@ -231,6 +232,39 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, i
         }
     }
     return 0;
+}
+
+/* quant_dequant's rows rounded to bfloat16 (to nearest even, as torch's .to(torch.bfloat16)),
+ * through one float32 row per thread: a prefill product needs the matrix in bfloat16, and a
+ * float32 copy of it first would double the memory it takes and the bytes written. */
+int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, int64_t k,
+                       const int64_t *rows, uint16_t *out, int nthreads) {
+    const int64_t bv = quant_block_values(fmt);
+    if (bv == 0 || k % bv) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(kernel_threads(nthreads, nrows))
+    {
+        float *tmp = malloc((size_t)k * sizeof(float));
+        if (!tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrows; i++) {
+            if (!tmp) continue;
+            quant_dequant(fmt, w + (rows ? rows[i] : i) * row_bytes, row_bytes, 1, k, NULL, tmp, 1);
+            uint16_t *o = out + i * k;
+            int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            for (; j + 16 <= k; j += 16)
+                _mm256_storeu_si256((__m256i *)(o + j),
+                                    _mm512_cvtepi32_epi16(f32x16_to_bf16(_mm512_loadu_ps(tmp + j))));
+#endif
+            for (; j < k; j++) o[j] = f32_to_bf16(tmp[j]);
+        }
+        free(tmp);
+    }
+    return failed ? -2 : 0;
 }
 
 /* ------------------------------------------------------------------ activations */

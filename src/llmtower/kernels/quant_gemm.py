@@ -29,6 +29,8 @@ def _lib() -> ctypes.CDLL:
     lib.quant_block_values.restype = lib.quant_block_bytes.restype = _I64
     lib.quant_dequant.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]
     lib.quant_dequant.restype = _INT
+    lib.quant_dequant_bf16.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]
+    lib.quant_dequant_bf16.restype = _INT
     lib.quant_act.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P]
     lib.quant_act.restype = None
     lib.quant_gemm.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64,
@@ -131,17 +133,23 @@ class BlockWeight:
         self.matmul_into(quantize_activations(x), out, torch.get_num_threads())
         return out
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """float32 values of the matrix (or of ``rows``, int64 indices), exactly as gguf's
-        reference dequantization gives them."""
+        reference dequantization gives them; with ``dtype=torch.bfloat16``, those values
+        rounded to bfloat16 (without a float32 copy of the whole)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dequantize gives float32 or bfloat16, not {dtype}")
         idx = None if rows is None else rows.to(torch.int64).contiguous()
         count = self.n if idx is None else int(idx.numel())
         if idx is not None and count and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
             raise IndexError(f"row index out of range for a matrix of {self.n} rows")
-        out = torch.empty(count, self.k, dtype=torch.float32)
-        rc = self._lib.quant_dequant(self.fmt, self.data.data_ptr(), self.row_bytes, count, self.k,
-                                     None if idx is None else idx.data_ptr(), out.data_ptr(),
-                                     torch.get_num_threads())
+        out = torch.empty(count, self.k, dtype=dtype)
+        fn = self._lib.quant_dequant if dtype == torch.float32 else self._lib.quant_dequant_bf16
+        rc = fn(self.fmt, self.data.data_ptr(), self.row_bytes, count, self.k,
+                None if idx is None else idx.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"quant_dequant_bf16: no memory for a row of {self.k} floats")
         if rc:
             raise RuntimeError(f"quant_dequant refused format {self.fmt}")
         return out

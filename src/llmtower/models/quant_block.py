@@ -150,17 +150,17 @@ class BlockQuantLinear:
     def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Many rows (a prefill chunk): the weight dequantized to bfloat16 for this call and
         multiplied by oneDNN's GEMM (AMX / AVX512_BF16), which beats the int8 kernel once the
-        dequantization is shared by enough rows. A slab of rows at a time, so the float copy
-        stays at tens of MiB: a whole 8B gate/up matrix would be 470 MB of float32 at every chunk,
-        the process's peak memory, and fresh pages to fault in each time."""
+        dequantization is shared by enough rows. A slab of rows at a time, straight to bfloat16,
+        so the copy stays at tens of MiB: a whole 8B gate/up matrix in float32 then bfloat16
+        was 705 MB at every chunk, the process's peak memory, and fresh pages each time."""
         xb = x.to(torch.bfloat16)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        step = max(DEQUANT_SLAB_MIN_ROWS, DEQUANT_SLAB_BYTES // (4 * self.in_features))
+        step = max(DEQUANT_SLAB_MIN_ROWS, DEQUANT_SLAB_BYTES // (2 * self.in_features))
         at = 0
         for p in self.parts:
             for start in range(0, p.n, step):
                 end = min(start + step, p.n)
-                w = p.rows(start, end).dequantize().to(torch.bfloat16)
+                w = p.rows(start, end).dequantize(dtype=torch.bfloat16)
                 out[:, at + start:at + end] = linear(xb, w)
             at += p.n
         if bias is not None:
@@ -168,7 +168,7 @@ class BlockQuantLinear:
         return out
 
 
-# The float32 slab of a weight dequantized at once for a prefill product (BlockQuantLinear),
+# The bfloat16 slab of a weight dequantized at once for a prefill product (BlockQuantLinear),
 # and its fewest rows: oneDNN's bfloat16 GEMM loses efficiency on narrow weights (an 8B
 # gate/up matrix, 144 rows, one process, CPU time: whole 0.17 s, 2048-row slabs 0.27 s,
 # 512-row slabs 0.94 s; the dequantization 0.65 s in each case).
