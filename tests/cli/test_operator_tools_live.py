@@ -124,18 +124,21 @@ def test_diag_memory_reports_and_draws_every_engine_under_load(server, tmp_path,
     assert "401" in capsys.readouterr().err  # no key: refused, said plainly
 
 
-def _monitor_json(base_url: str, *extra: str, count: int = 4) -> list[dict]:
-    cmd = [sys.executable, "-m", "llmtower.cli.main", "monitor", "--url", base_url, "--json",
-           "--interval", "400ms", "--count", str(count), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
+def _monitor_json(capsys, base_url: str, *extra: str, count: int = 4) -> list[dict]:
+    """`llmtower monitor --json` run in this process (the pseudo-terminal test below runs the
+    command as its own process): its lines of JSON."""
+    capsys.readouterr()
+    rc = main(["monitor", "--url", base_url, "--json", "--interval", "400ms",
+               "--count", str(count), *extra])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return [json.loads(line) for line in out.splitlines()]
 
 
-def test_monitor_json_sees_both_engines_and_the_load(server):
+def test_monitor_json_sees_both_engines_and_the_load(server, capsys):
     with Load(server.base_url, threads=4):
         _wait_running(server.base_url)
-        lines = _monitor_json(server.base_url)
+        lines = _monitor_json(capsys, server.base_url)
     assert all(line["up"] for line in lines)
     assert set(lines[-1]["engines"]) == {"0", "1"}
     total = [line["total"] for line in lines[1:]]  # the first poll has no rates yet
@@ -148,8 +151,8 @@ def test_monitor_json_sees_both_engines_and_the_load(server):
     assert running == [line["total"]["scheduler.running"] for line in lines]
 
 
-def test_monitor_metric_selects_by_the_seeds_dotted_names(server):
-    lines = _monitor_json(server.base_url, "--metric", "scheduler.queue_depth", "--metric",
+def test_monitor_metric_selects_by_the_seeds_dotted_names(server, capsys):
+    lines = _monitor_json(capsys, server.base_url, "--metric", "scheduler.queue_depth", "--metric",
                           "input_queue.size", "--metric", "scheduler.preempt_count", count=2)
     assert set(lines[-1]["total"]) == {"scheduler.queue_depth", "input_queue.size",
                                        "scheduler.preempt_count",

@@ -5,17 +5,14 @@ warning lines of --enforce-eager / --trust-remote-code, all on one tiny-model se
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noqa: F401
-from tests.server.server_process import START_TIMEOUT_S, ServerProcess
+from tests.server.server_process import ServerProcess
 
 ORIGIN = "https://app.example.com"
 
@@ -28,27 +25,9 @@ class TLSServerProcess(ServerProcess):
         self.base_url = f"https://127.0.0.1:{self.port}"
         self.cert = ssl.create_default_context(cafile=cert)
 
-    def start(self) -> TLSServerProcess:
-        cmd = [sys.executable, "-m", "llmtower.cli.main", "serve", "--port", str(self.port),
-               *self.args]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                         start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"the server exited:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", verify=self.cert,
-                             timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the server did not start:\n{self.log()}")
+    def _healthy(self) -> bool:
+        return httpx.get(f"{self.base_url}/health", verify=self.cert,
+                         timeout=2).status_code == 200
 
 
 @pytest.fixture(scope="module")

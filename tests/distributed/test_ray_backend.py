@@ -22,6 +22,10 @@ from llmtower.engine.args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO_S = 300  # a guard: ~2.5 min on this busy machine (the cluster alone ~50 s)
+# The GCS checks each raylet every second and counts it dead after 5 failed checks in a row
+# (Ray's defaults: every 3 s, 5 failures): the removed node's engine is restarted elsewhere
+# ~10 s sooner. A live raylet on a loaded machine still has each check's 10 s timeout.
+RAY_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
 # After the run, kill every process left in the namespace (raylets, GCS, workers).
 _NETNS_RUN = """ip link set lo up
 timeout -s KILL {limit} "{python}" -m tests.distributed.ray_cluster_scenario "{tok}"
@@ -84,7 +88,7 @@ def run(tiny_tokenizer_dir):
             ["unshare", "-n", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs `unshare -n` (a private network namespace) to run Ray")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
-           "RAY_raylet_start_wait_time_s": "120", "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_raylet_start_wait_time_s": "120", "RAY_USAGE_STATS_ENABLED": "0", **RAY_HEALTH}
     script = _NETNS_RUN.format(limit=SCENARIO_S, python=sys.executable, tok=tiny_tokenizer_dir)
     proc = subprocess.run(["unshare", "-n", "bash", "-c", script], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=SCENARIO_S + 30)

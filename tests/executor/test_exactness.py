@@ -108,11 +108,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_dir):
     assert sample(4321, 5) != alone
 
 
-def test_default_smollm2_matches_transformers(tmp_path):
+def test_default_smollm2_matches_transformers(smollm2_float32_dir):
     from transformers import AutoTokenizer
 
-    from llmtower.models import default_model
-    from llmtower.models.gguf_convert import convert_gguf_to_hf_dir
     from llmtower.models.loader import resolve_model_path
 
     try:
@@ -126,7 +124,4 @@ def test_default_smollm2_matches_transformers(tmp_path):
     add_greedy(core, prompts, 12)
     out = run_all(core)
     # Served from the GGUF; transformers reads the float32 folder the converter writes on request.
-    exported = tmp_path / "hf"
-    exported.mkdir()
-    convert_gguf_to_hf_dir(default_model.default_gguf_path(), exported)
-    assert [out[str(i)] for i in range(len(prompts))] == hf_greedy(exported, prompts, 12)
+    assert [out[str(i)] for i in range(len(prompts))] == hf_greedy(smollm2_float32_dir, prompts, 12)

@@ -66,17 +66,14 @@ def test_tokenizer(smollm2):
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_transformers_generates_a_sensible_answer(smollm2, tmp_path):
+def test_transformers_generates_a_sensible_answer(smollm2, smollm2_float32_dir):
     from transformers import LlamaForCausalLM
 
-    from llmtower.models.gguf_convert import convert_gguf_to_hf_dir
-
     tok = load_tokenizer(smollm2)
-    exported = tmp_path / "hf"
-    exported.mkdir()
-    convert_gguf_to_hf_dir(default_model.default_gguf_path(), exported)
+    # The export (tests/conftest.py) is a folder of its own: the cached one keeps no weights.
     assert "model.safetensors" not in {p.name for p in smollm2.iterdir()}
-    model = LlamaForCausalLM.from_pretrained(str(exported), local_files_only=True, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(str(smollm2_float32_dir), local_files_only=True,
+                                             dtype=torch.float32).eval()
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=10, do_sample=False)

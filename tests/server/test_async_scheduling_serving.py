@@ -11,21 +11,22 @@ import httpx
 import openai
 import pytest
 
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, launch_server
 
 
 def test_async_scheduling_serves_the_serial_servers_tokens(tmp_path_factory, tiny_llama_dir,
                                                            client):
-    prompts = [f"request {i} of an async scheduling test" for i in range(10)]
-    body = dict(model=MODEL, max_tokens=14, temperature=0.0, extra_body={"ignore_eos": True})
-    expected = [client.completions.create(prompt=p, **body).choices[0].text for p in prompts]
-    stop = expected[0][6:8]
-    expected_stop = client.completions.create(prompt=prompts[0], stop=[stop], **body)
-
-    server = start_server(tmp_path_factory, "async_server",
-                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
-                           "--async-scheduling"])
+    # Started first: it comes up while the serial server computes the expected outputs.
+    server = launch_server(tmp_path_factory, "async_server",
+                           ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
+                            "--async-scheduling"])
     try:
+        prompts = [f"request {i} of an async scheduling test" for i in range(10)]
+        body = dict(model=MODEL, max_tokens=14, temperature=0.0, extra_body={"ignore_eos": True})
+        expected = [client.completions.create(prompt=p, **body).choices[0].text for p in prompts]
+        stop = expected[0][6:8]
+        expected_stop = client.completions.create(prompt=prompts[0], stop=[stop], **body)
+        server.wait_ready()
         aclient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
                                 max_retries=0, timeout=60)
         with ThreadPoolExecutor(10) as pool:

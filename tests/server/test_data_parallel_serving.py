@@ -8,20 +8,21 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from llmtower.cli.main import main as cli_main
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, launch_server
 
 
 def test_two_engines_serve_like_one_and_one_drains_under_load(tmp_path_factory, tiny_llama_dir,
                                                               client, tiny_server, capsys):
-    prompts = [f"request {i} of a data parallel test" for i in range(8)]
-    body = dict(model=MODEL, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
-    # the single-engine session server gives the reference outputs
-    expected = [client.completions.create(prompt=p, **body).choices[0].text for p in prompts]
-
-    server = start_server(tmp_path_factory, "dp_server",
-                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
-                           "--data-parallel-size", "2"])
+    # Started first: it comes up while the single-engine session server gives the
+    # reference outputs.
+    server = launch_server(tmp_path_factory, "dp_server",
+                           ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
+                            "--data-parallel-size", "2"])
     try:
+        prompts = [f"request {i} of a data parallel test" for i in range(8)]
+        body = dict(model=MODEL, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+        expected = [client.completions.create(prompt=p, **body).choices[0].text for p in prompts]
+        server.wait_ready()
         import openai
         dp = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
                            timeout=60)

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, launch_server
 from tests.fixtures.lora_adapters import make_peft_adapter, merged_greedy
 
 PROMPT = [5, 77, 300, 12, 9, 450, 8]
@@ -30,14 +30,31 @@ def adapters(tmp_path_factory, tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory, tiny_llama_dir, adapters):
+def lora_servers(tmp_path_factory, tiny_llama_dir, adapters):
+    """The module's server, and beside it one whose --lora-modules names an adapter above
+    --max-lora-rank (test_bad_lora_modules_stops_the_server waits for it to fail): both
+    launched together, so that the failing start overlaps the good one."""
     attn = json.dumps({"name": "attn", "path": str(adapters["attn"])})
-    server = start_server(tmp_path_factory, "lora_server", [
+    bad = launch_server(tmp_path_factory, "bad_lora", [
         "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--enable-lora",
-        "--max-loras", "2", "--max-lora-rank", "16", "--enable-lora-runtime-updating",
-        "--lora-modules", f"all={adapters['all']}", attn])
-    yield server
-    server.stop()
+        "--lora-modules", f"big={adapters['big']}"])
+    try:
+        good = launch_server(tmp_path_factory, "lora_server", [
+            "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--enable-lora",
+            "--max-loras", "2", "--max-lora-rank", "16", "--enable-lora-runtime-updating",
+            "--lora-modules", f"all={adapters['all']}", attn])
+        try:
+            good.wait_ready()
+            yield {"lora_server": good, "bad_lora": bad}
+        finally:
+            good.stop()
+    finally:
+        bad.stop()
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_servers):
+    return lora_servers["lora_server"]
 
 
 def complete(server, model: str) -> httpx.Response:
@@ -126,11 +143,9 @@ def test_bad_adapter_refused_at_load(lora_server, adapters, which, reason):
     assert tokens(complete(lora_server, "all"))  # the server still serves
 
 
-def test_bad_lora_modules_stops_the_server(tmp_path_factory, tiny_llama_dir, adapters):
+def test_bad_lora_modules_stops_the_server(lora_servers):
     with pytest.raises(RuntimeError, match="rank 32 is above --max-lora-rank=16"):
-        start_server(tmp_path_factory, "bad_lora", [
-            "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--enable-lora",
-            "--lora-modules", f"big={adapters['big']}"])
+        lora_servers["bad_lora"].wait_ready()
 
 
 def test_lora_requests_info_metric(lora_server):

@@ -11,8 +11,6 @@ request to the shared server without the flag shows that the split loses and add
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from llmtower.server.reasoning import REASONING_PARSERS, get_reasoning_parser
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_servers
 
 PARSERS = sorted(REASONING_PARSERS)
 
@@ -127,13 +125,14 @@ def test_an_unknown_name_lists_the_choices():
         ServerSettings(reasoning_parser="nope")
 
 
-def test_serve_refuses_an_unknown_parser_at_startup():
-    r = subprocess.run([sys.executable, "-m", "llmtower.cli.main", "serve",
-                        "--reasoning-parser", "nope"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2
-    assert "--reasoning-parser" in r.stderr and "'deepseek_r1'" in r.stderr
-    assert "'qwen3'" in r.stderr
+def test_serve_refuses_an_unknown_parser_at_startup(capsys):
+    from llmtower.cli.main import main
+    with pytest.raises(SystemExit) as exit_:  # `llmtower serve` exits 2, as argparse does
+        main(["serve", "--reasoning-parser", "nope"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reasoning-parser" in err and "'deepseek_r1'" in err
+    assert "'qwen3'" in err
 
 
 # ------------------------------------------------------------------ Responses stream (no model)
@@ -197,22 +196,27 @@ def test_responses_stream_cut_while_thinking_is_incomplete_reasoning_and_an_empt
 
 # ------------------------------------------------------------------ served
 @pytest.fixture(scope="module")
-def r1_server(tmp_path_factory, tiny_llama_dir):
-    server = start_server(tmp_path_factory, "r1_server",
-                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
-                           "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes"])
-    yield server
-    server.stop()
+def reasoning_servers(tmp_path_factory, tiny_llama_dir):
+    """Both parsers' servers, started side by side."""
+    servers = start_servers(tmp_path_factory, {
+        "r1_server": ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
+                      "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes"],
+        "qwen3_server": ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
+                         "--reasoning-parser", "qwen3"]})
+    yield servers
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory, tiny_llama_dir):
-    server = start_server(tmp_path_factory, "qwen3_server",
-                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS,
-                           "--reasoning-parser", "qwen3"])
-    yield server
-    server.stop()
+def r1_server(reasoning_servers):
+    return reasoning_servers["r1_server"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(reasoning_servers):
+    return reasoning_servers["qwen3_server"]
 
 
 def _client(server) -> openai.OpenAI:

@@ -7,31 +7,36 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_servers
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def priority_server(tmp_path_factory, tiny_llama_dir):
-    server = start_server(tmp_path_factory, "priority_server", [
-        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--api-key", KEY,
-        "--policy", "priority"])
-    yield server
-    server.stop()
+def policy_servers(tmp_path_factory, tiny_llama_dir):
+    """The priority and the fair server, started side by side."""
+    # Two running slots on the fair one: the tenants compete for them.
+    fair_args = [a for a in TINY_SERVER_ARGS]
+    fair_args[fair_args.index("--max-num-seqs") + 1] = "2"
+    servers = start_servers(tmp_path_factory, {
+        "priority_server": ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--api-key", KEY,
+                            "--policy", "priority"],
+        "fair_server": ["--model", str(tiny_llama_dir), *fair_args, "--api-key", KEY,
+                        "--policy", "fair", "--tenant-weights", "light=1,heavy=1"]})
+    yield servers
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def fair_server(tmp_path_factory, tiny_llama_dir):
-    # Two running slots: the tenants compete for them.
-    args = [a for a in TINY_SERVER_ARGS]
-    args[args.index("--max-num-seqs") + 1] = "2"
-    server = start_server(tmp_path_factory, "fair_server", [
-        "--model", str(tiny_llama_dir), *args, "--api-key", KEY, "--policy", "fair",
-        "--tenant-weights", "light=1,heavy=1"])
-    yield server
-    server.stop()
+def priority_server(policy_servers):
+    return policy_servers["priority_server"]
+
+
+@pytest.fixture(scope="module")
+def fair_server(policy_servers):
+    return policy_servers["fair_server"]
 
 
 def test_priority_route_changes_a_request_in_flight(priority_server):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_args import MODEL, TINY_SERVER_ARGS, start_server
+from server_args import MODEL, TINY_SERVER_ARGS, start_servers
 
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
@@ -77,11 +77,24 @@ def slower_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
                                num_heads=8, num_kv_heads=4)
 
 
-def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_factory,
-                                                                       slower_llama_dir):
-    server = start_server(tmp_path_factory, "sigterm_server", [
-        "--model", str(slower_llama_dir), *TINY_SERVER_ARGS, "--max-num-seqs", "1",
-        "--shutdown-timeout", "1"])
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_llama_dir, slower_llama_dir):
+    """Each test's own server (every test here stops its server with a signal), all started
+    side by side before the first test: they wait idle until their test signals them."""
+    drain = ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"]
+    started = start_servers(tmp_path_factory, {
+        "sigterm_server": ["--model", str(slower_llama_dir), *TINY_SERVER_ARGS,
+                           "--max-num-seqs", "1", "--shutdown-timeout", "1"],
+        "drain_server_ctrl_c": drain,
+        "drain_server_sigterm_to_the_group": drain,
+        "idle_server": ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS]})
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(servers):
+    server = servers["sigterm_server"]
     try:
         url = f"{server.base_url}/v1/completions"
         # One sequence runs at a time and each wants 480 tokens (seconds on this model):
@@ -146,14 +159,12 @@ def test_sigterm_under_load_aborts_cleanly_after_the_shutdown_timeout(tmp_path_f
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["ctrl_c", "sigterm_to_the_group"])
-def test_a_signal_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, tiny_llama_dir,
-                                                              to_group):
+def test_a_signal_lets_requests_in_flight_finish_and_exits_0(servers, to_group):
     """Ctrl-C (SIGINT to the server), and SIGTERM to every process of the group at once as
     systemd (KillMode=control-group), `kill -TERM -- -PGID` and `timeout` send it: the stream
     in flight ends normally. The engine, signalled too, must not die under the drain."""
     sig = signal.SIGTERM if to_group else signal.SIGINT
-    server = start_server(tmp_path_factory, "drain_server", [
-        "--model", str(tiny_llama_dir), *TINY_SERVER_ARGS, "--shutdown-timeout", "60"])
+    server = servers["drain_server_sigterm_to_the_group" if to_group else "drain_server_ctrl_c"]
     try:
         url = f"{server.base_url}/v1/completions"
         results: dict = {}
@@ -181,9 +192,8 @@ def test_a_signal_lets_requests_in_flight_finish_and_exits_0(tmp_path_factory, t
         server.stop()
 
 
-def test_ctrl_c_of_an_idle_server_logs_one_line(tmp_path_factory, tiny_llama_dir):
-    server = start_server(tmp_path_factory, "idle_server",
-                          ["--model", str(tiny_llama_dir), *TINY_SERVER_ARGS])
+def test_ctrl_c_of_an_idle_server_logs_one_line(servers):
+    server = servers["idle_server"]
     try:
         before = len(server.log_path.read_text().splitlines())
         engine_pid = server.engine_pid()
