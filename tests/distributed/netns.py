@@ -4,6 +4,7 @@ only over that link. Created by the test (root needed), always deleted afterward
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -44,8 +45,23 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def sweep_stale_hosts() -> None:
+    """Delete the namespaces (and their veth pairs) of test runs that were killed before their
+    teardown (``lt<pid>h<index>`` whose pid is gone): a SIGKILLed run cannot clean up itself."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        m = re.fullmatch(r"lt(\d+)h(\d+)", line.split()[0]) if line.strip() else None
+        if m is None or int(m.group(1)) == os.getpid() % 100000:
+            continue
+        if any(pid % 100000 == int(m.group(1)) for pid in map(int, filter(str.isdigit, os.listdir("/proc")))):
+            continue  # a live process may own it
+        subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"ltv{m.group(1)}h{m.group(2)}a"], capture_output=True)
+
+
 def make_host(index: int) -> NetnsHost:
     """Namespace ``lt<pid>h<index>`` on 10.<pid-derived>.<index>.0/24."""
+    sweep_stale_hosts()
     tag = f"{os.getpid() % 100000}h{index}"
     subnet = f"10.{200 + os.getpid() % 50}.{index}"
     host = NetnsHost(f"lt{tag}", f"ltv{tag}a", f"{subnet}.2", f"{subnet}.1")
