@@ -10,7 +10,9 @@
 # skipped when it is not built. Each cell runs in a fresh process (its own peak RSS, from
 # /usr/bin/time for llama.cpp, VmHWM for llmtower), 2 threads. llama.cpp's end-to-end
 # output tok/s is B x TG / T of its table, prefill included as in ours. The load average
-# is printed with each row: compare ratios from one run.
+# is printed with each row: compare ratios from one run. $LLAMA_CPP_ARGS adds flags to
+# llama.cpp's command (e.g. "-nr": without weight repacking, where its AMX path crashes, as
+# on this development VM).
 set -euo pipefail
 ANCHORS=${ANCHORS:-$HOME/anchors}
 LLAMA_CPP=${LLAMA_CPP:-$ANCHORS/llama.cpp/build/bin}
@@ -40,7 +42,7 @@ bench_ours() {  # file n_prompts -> "tok_s peak_gb"
 bench_llamacpp() {  # file n_prompts -> "tok_s peak_gb"
   local out
   out=$(LD_LIBRARY_PATH=$LLAMA_CPP /usr/bin/time -v "$LLAMA_CPP/llama-batched-bench" -m "$1" \
-        -npp 144 -ntg 64 -npl "$2" -t "$THREADS" -no-kvu -c $((208 * $2 + 64)) 2>&1)
+        -npp 144 -ntg 64 -npl "$2" -t "$THREADS" -no-kvu -c $((208 * $2 + 64)) ${LLAMA_CPP_ARGS:-} 2>&1)
   echo "$out" | "$PY" -c '
 import re, sys
 text = sys.stdin.read()
