@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmtower.kernels.decode_layer import LoRAProducts, LoRARows
+from llmtower.kernels.decode_layer_lora import LoRAProducts, LoRARows
 from llmtower.lora.adapter import GROUPS, LoRAAdapter
 
 
