@@ -132,10 +132,14 @@ def main() -> None:
         print(f"{n:>9}{r['wall_s']:>9.1f}{r['cpu_s']:>8.1f}{r['sim_requests_per_wall_s']:>12.0f}"
               f"{r['us_per_output_token']:>12.2f}{100 * r['scheduler_share']:>9.0f}"
               f"{r['simulated_duration_s']:>9.1f}{r['engine_steps']:>9}", flush=True)
-    if rows and rows[-1]["requests"] >= 100_000:
-        verdict = "PASS" if rows[-1]["wall_s"] < 60 else "FAIL"
-        print(f"100k requests on {args.replicas} replicas: {rows[-1]['wall_s']:.1f} s "
-              f"(target < 60 s): {verdict}")
+    # The targets the issues set: 100k requests in under a minute, 1M x 32 replicas in 5.
+    for n, limit in ((1_000_000, 300.0), (100_000, 60.0)):
+        if rows and rows[-1]["requests"] >= n:
+            r = rows[-1]
+            verdict = "PASS" if r["wall_s"] < limit else "FAIL"
+            print(f"{r['requests']:,} requests on {args.replicas} replicas: {r['wall_s']:.1f} s "
+                  f"(target for {n:,}: < {limit:.0f} s): {verdict}")
+            break
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=1)
