@@ -138,16 +138,8 @@ class DecodeRunMixin(SchedulerState):
                     or (num_cached is not None
                         and num_cached.get(req.request_id, 0) != computed // bs)):
                 return _NO_RUN
-            # The step of the run in which it stops: the first whose token ends it
-            # (_check_stop's conditions; inline: this runs for every request at every step).
-            num_output = num_tokens - req.num_prompt_tokens
-            last = req.max_tokens - num_output
-            if max_len - num_tokens < last:
-                last = max_len - num_tokens
-            sp = req.sampling_params
-            if ((token_id == req.eos_token_id and not sp.ignore_eos)
-                    or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
-                last = min(last, sp.min_tokens - num_output)
+            # The step of the run in which it stops: the first whose token ends it.
+            last = _stop_step(req, num_tokens, token_id, max_len)
             if last <= 0:
                 return _NO_RUN
             if past_stops:
@@ -231,15 +223,7 @@ class DecodeRunMixin(SchedulerState):
             base = req.num_computed_tokens - done
             bases.append(base)
             # The step in which it stops (as in _decode_run).
-            num_tokens = len(req.all_token_ids)
-            num_output = num_tokens - req.num_prompt_tokens
-            last = req.max_tokens - num_output
-            if max_len - num_tokens < last:
-                last = max_len - num_tokens
-            sp = req.sampling_params
-            if ((token_id == req.eos_token_id and not sp.ignore_eos)
-                    or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
-                last = min(last, sp.min_tokens - num_output)
+            last = _stop_step(req, len(req.all_token_ids), token_id, max_len)
             stops = last <= k
             if stops:
                 events.append((last, 1, i + i + 1))
@@ -334,3 +318,18 @@ def _last_step(running: list[Request], sched: SchedulerState,
     step.budget -= len(running)
     step.new_blocks = new_blocks
     return step
+
+
+def _stop_step(req: Request, num_tokens: int, token_id: int, max_len: int) -> int:
+    """The step of a run (1 = the next) in which ``req``, holding ``num_tokens`` tokens and
+    sampling ``token_id`` at every step, stops: ``_check_stop``'s conditions (max_tokens, the
+    length cap, its EOS or a stop token once min_tokens are out); <= 0 where it cannot run."""
+    num_output = num_tokens - req.num_prompt_tokens
+    last = req.max_tokens - num_output
+    if max_len - num_tokens < last:
+        last = max_len - num_tokens
+    sp = req.sampling_params
+    if ((token_id == req.eos_token_id and not sp.ignore_eos)
+            or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
+        last = min(last, sp.min_tokens - num_output)
+    return last
