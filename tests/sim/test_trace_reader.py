@@ -10,7 +10,7 @@ from llmtower.sim.workload import TraceError, TraceRequest, read_trace, write_tr
 
 def write(tmp_path, *lines):
     p = tmp_path / "trace.jsonl"
-    p.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    p.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     return p
 
 

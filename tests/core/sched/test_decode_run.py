@@ -177,7 +177,7 @@ def test_no_run_under_a_sliding_window():
         now = [0.0]
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                           CacheConfig(block_size=4, num_blocks=40, sliding_window=window),
-                          clock=lambda: now[0])
+                          clock=lambda now=now: now[0])
         sched.add_request(Request("a", [3] * 6, SamplingParams(max_tokens=12, ignore_eos=True)))
         so = sched.schedule()
         now[0] += 1.0
