@@ -13,6 +13,7 @@ makes accidental collisions (which would return another prompt's KV) negligible.
 """
 from __future__ import annotations
 
+import functools
 from array import array
 from hashlib import blake2b
 from struct import Struct
@@ -20,8 +21,12 @@ from struct import Struct
 _ROOT = b"llmtower-root"
 # A fresh hasher, copied for each block: cheaper than building one with its parameters.
 _EMPTY = blake2b(digest_size=16)
-# Block size -> the packer of a block's token ids as native int64s (array("q")'s bytes).
-_PACKERS: dict[int, Struct] = {}
+
+
+@functools.cache
+def _packer(block_size: int) -> Struct:
+    """The packer of a block's token ids as native int64s (array("q")'s bytes)."""
+    return Struct(f"={block_size}q")
 
 
 def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...],
@@ -53,9 +58,7 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: list[int], block_s
         parent = block_hashes[-1]
     # The blocks after the first carry no salt: each hash is H(parent || the block's int64
     # tokens), as hash_block computes it.
-    pack = _PACKERS.get(block_size)
-    if pack is None:
-        pack = _PACKERS[block_size] = Struct(f"={block_size}q")
+    pack = _packer(block_size)
     copy = _EMPTY.copy
     append = block_hashes.append
     for i in range(start * block_size, end * block_size, block_size):
