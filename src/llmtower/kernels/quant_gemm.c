@@ -171,6 +171,59 @@ static void decode_sub(int fmt, const uint8_t *blk, int sb, subblock *r) {
 
 /* ------------------------------------------------------------------ dequantization */
 
+/* One row of `nb` blocks (`bv` values, `bb` bytes each) at `row` as float32 into o: gguf's
+ * reference values, bit for bit. */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row(int fmt, const uint8_t *row, int64_t nb, int64_t bv, int64_t bb,
+                        float *o) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        float *y = o + b * bv;
+        switch (fmt) {
+        case F_Q4_0: {
+            const float d = half_to_float(blk);
+            for (int j = 0; j < 16; j++) {
+                y[j] = d * (float)((int)(blk[2 + j] & 0xF) - 8);
+                y[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
+            }
+            break;
+        }
+        case F_Q4_1: {
+            const float d = half_to_float(blk), m = half_to_float(blk + 2);
+            for (int j = 0; j < 16; j++) {
+                const float lo = d * (float)(blk[4 + j] & 0xF), hi = d * (float)(blk[4 + j] >> 4);
+                y[j] = lo + m;
+                y[j + 16] = hi + m;
+            }
+            break;
+        }
+        case F_Q8_0: {
+            const float d = half_to_float(blk);
+            for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)blk[2 + j] * d;
+            break;
+        }
+        default: { /* the super-block formats, one sub-block at a time */
+            subblock s;
+            for (int sb = 0; sb < 8; sb++) {
+                decode_sub(fmt, blk, sb, &s);
+                float *ys = y + 32 * sb;
+                if (fmt == F_Q6_K) {
+                    for (int j = 0; j < 32; j++) {
+                        const float q = (float)((int)s.u[j] - 32);
+                        ys[j] = s.s[j / 16] * q;
+                    }
+                } else {
+                    for (int j = 0; j < 32; j++) {
+                        const float t = s.s[0] * (float)s.u[j];
+                        ys[j] = t - s.m;
+                    }
+                }
+            }
+        }
+        }
+    }
+}
+
 /* Rows `rows[i]` (or 0 .. nrows-1 when rows is NULL) of the [*, k] matrix at w (row_bytes per
  * row) as float32 into out[i * k ..]: gguf's reference values, bit for bit. Returns -1 for a
  * format this file cannot read. */
@@ -181,56 +234,8 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, i
     if (bv == 0 || k % bv) return -1;
     const int64_t nb = k / bv;
 #pragma omp parallel for num_threads(kernel_threads(nthreads, nrows)) schedule(static)
-    for (int64_t i = 0; i < nrows; i++) {
-        const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
-        float *o = out + i * k;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            float *y = o + b * bv;
-            switch (fmt) {
-            case F_Q4_0: {
-                const float d = half_to_float(blk);
-                for (int j = 0; j < 16; j++) {
-                    y[j] = d * (float)((int)(blk[2 + j] & 0xF) - 8);
-                    y[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
-                }
-                break;
-            }
-            case F_Q4_1: {
-                const float d = half_to_float(blk), m = half_to_float(blk + 2);
-                for (int j = 0; j < 16; j++) {
-                    const float lo = d * (float)(blk[4 + j] & 0xF), hi = d * (float)(blk[4 + j] >> 4);
-                    y[j] = lo + m;
-                    y[j + 16] = hi + m;
-                }
-                break;
-            }
-            case F_Q8_0: {
-                const float d = half_to_float(blk);
-                for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)blk[2 + j] * d;
-                break;
-            }
-            default: { /* the super-block formats, one sub-block at a time */
-                subblock s;
-                for (int sb = 0; sb < 8; sb++) {
-                    decode_sub(fmt, blk, sb, &s);
-                    float *ys = y + 32 * sb;
-                    if (fmt == F_Q6_K) {
-                        for (int j = 0; j < 32; j++) {
-                            const float q = (float)((int)s.u[j] - 32);
-                            ys[j] = s.s[j / 16] * q;
-                        }
-                    } else {
-                        for (int j = 0; j < 32; j++) {
-                            const float t = s.s[0] * (float)s.u[j];
-                            ys[j] = t - s.m;
-                        }
-                    }
-                }
-            }
-            }
-        }
-    }
+    for (int64_t i = 0; i < nrows; i++)
+        dequant_row(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, bv, bb, out + i * k);
     return 0;
 }
 
@@ -241,6 +246,7 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
                        const int64_t *rows, uint16_t *out, int nthreads) {
     const int64_t bv = quant_block_values(fmt);
     if (bv == 0 || k % bv) return -1;
+    const int64_t nb = k / bv, bb = quant_block_bytes(fmt);
     int failed = 0;
 #pragma omp parallel num_threads(kernel_threads(nthreads, nrows))
     {
@@ -252,7 +258,7 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nrows; i++) {
             if (!tmp) continue;
-            quant_dequant(fmt, w + (rows ? rows[i] : i) * row_bytes, row_bytes, 1, k, NULL, tmp, 1);
+            dequant_row(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, bv, bb, tmp);
             uint16_t *o = out + i * k;
             int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
