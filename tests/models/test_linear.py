@@ -86,6 +86,8 @@ def _onednn_uses_amx() -> bool:
 
 @pytest.mark.skipif(L.prepack is L._prepack_onednn, reason="the few-row kernel does not run here")
 def test_linear_takes_the_kernel_for_few_rows_and_onednn_beyond(monkeypatch):
+    # gemm_bf16's range as on a CPU without AMX (on one with it, oneDNN takes those rows)
+    monkeypatch.setattr(L, "BF16_KERNEL_MAX_ROWS", L.BF16_KERNEL_MAX_ROWS_AVX512)
     g = torch.Generator().manual_seed(4)
     w = torch.randn(200, 96, generator=g).bfloat16()
     up = torch.randn(200, 96, generator=g).bfloat16()
@@ -133,10 +135,20 @@ def test_tiny_model_greedy_decode_unchanged_by_the_kernel(tiny_llama_dir, monkey
 
 
 @pytest.mark.skipif(L.prepack is L._prepack_onednn, reason="the few-row kernel does not run here")
-def test_tiny_model_bf16_results_do_not_depend_on_the_batch(tiny_llama_dir):
-    """bfloat16 greedy decoding of 12 requests together (9-12 rows per decode step: gemm_bf16)
-    gives each request the tokens and the log-probabilities, to the bit, that it gets alone
-    (one row per step: the few-row kernel), as both kernels sum a row alike."""
+def test_bf16_kernel_rows_leave_amx_cpus_to_onednn():
+    """Where the CPU has AMX, oneDNN's bfloat16 GEMM (on the tiles) takes every product above
+    the few-row kernel's rows; with AVX512-BF16 alone, gemm_bf16 takes them up to 256."""
+    assert L.bf16_kernel_max_rows(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == 0
+    assert L.bf16_kernel_max_rows(frozenset({"avx512_bf16", "avx512f"})) == 256
+    assert L.BF16_KERNEL_MAX_ROWS == L.bf16_kernel_max_rows(cpu_info().flags)
+
+
+def test_tiny_model_bf16_results_do_not_depend_on_the_batch(tiny_llama_dir, monkeypatch):
+    """bfloat16 greedy decoding of 12 requests together (9-12 rows per decode step: gemm_bf16,
+    in its range as on a CPU without AMX) gives each request the tokens and the
+    log-probabilities, to the bit, that it gets alone (one row per step: the few-row kernel),
+    as both kernels sum a row alike."""
+    monkeypatch.setattr(L, "BF16_KERNEL_MAX_ROWS", L.BF16_KERNEL_MAX_ROWS_AVX512)
     from llmtower.core.outputs import EngineCoreRequest
     from llmtower.core.sampling_params import SamplingParams
     from tests.executor.exactness_helpers import make_engine, random_prompts

@@ -27,7 +27,7 @@ from llmtower.core.outputs import SchedulerOutput
 from llmtower.executor.input_batch import InputBatch
 from llmtower.executor.kv_cache import KVCache
 from llmtower.executor.rejection_sampler import target_probs
-from llmtower.executor.sampler import _GREEDY_TEMPERATURE
+from llmtower.executor.sampler import _GREEDY_TEMPERATURE, draw_tokens
 from llmtower.models.attention import (AttentionMetadata, PagedAttention, decode_batch,
                                        decode_groups)
 from llmtower.models.interface import CausalLM
@@ -137,10 +137,9 @@ class DraftModelProposer:
             if not greedy.all():
                 rnd = np.flatnonzero(~greedy)
                 p = target_probs(logits[torch.from_numpy(rnd)], rows[rnd], batch)
+                nxt[rnd] = draw_tokens(p, [batch.generators.get(int(rows[i])) for i in rnd],
+                                       self.sampler_generator).numpy()
                 for r, i in enumerate(rnd.tolist()):
-                    gen = batch.generators.get(int(rows[i]), self.sampler_generator)
-                    noise = torch.empty_like(p[r]).exponential_(generator=gen)
-                    nxt[i] = int((p[r] / noise).argmax())
                     probs[i].append(p[r])
             drafts[:, j] = nxt
             tokens = nxt

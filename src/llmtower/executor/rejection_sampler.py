@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from llmtower.executor.input_batch import InputBatch
-from llmtower.executor.sampler import _GREEDY_TEMPERATURE, filtered_probs
+from llmtower.executor.sampler import _GREEDY_TEMPERATURE, draw_tokens, filtered_probs
 
 
 class RejectionSampler:
@@ -103,8 +103,7 @@ def _sample_accept(draft: list[int], p: torch.Tensor, q: torch.Tensor | None,
             dist = (dist - q[a]).clamp_min_(0.0)
         if float(dist.sum()) <= 0.0:  # p == q: a rejection had probability 0; be safe
             dist = p[a]
-    noise = torch.empty_like(dist).exponential_(generator=gen)
-    out.append(int((dist / noise).argmax()))
+    out.append(int(draw_tokens(dist.unsqueeze(0), [gen], gen)[0]))
     return out
 
 

@@ -7,10 +7,12 @@ penalty (Hugging Face's, over prompt and output) and the presence / frequency pe
 (OpenAI's, over the output) change the logits; greedy rows take the argmax of those; the other
 rows are divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
 
-Sampling uses the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry,
-which draws from ``p``. A request with a seed has its own ``torch.Generator``, seeded once and
-advanced by exactly one vocabulary-sized draw per token, so its tokens do not depend on what
-else is in the batch; the others share the sampler's generator.
+Sampling inverts each row's cumulative distribution at one uniform draw (``draw_tokens``). A
+request with a seed has its own ``torch.Generator``, seeded once and advanced by exactly one
+draw per token, so its tokens do not depend on what else is in the batch; the others share the
+sampler's generator. (The exponential race ``argmax(p / E)`` draws from ``p`` too, but needs a
+vocabulary of exponentials per token: 105 ms for a 64 x 49,152 step on 2 threads, against 2 ms
+for a cumulative sum and a search; it was half of such a step's time.)
 """
 from __future__ import annotations
 
@@ -126,14 +128,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:
         probs = filtered_probs(logits, rows, batch)
-        noise = torch.empty_like(probs)
-        seeded = [(i, batch.generators.get(int(r))) for i, r in enumerate(rows)]
-        if any(g is None for _, g in seeded):
-            noise.exponential_(generator=self.generator)
-        for i, g in seeded:
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return draw_tokens(probs, [batch.generators.get(int(r)) for r in rows], self.generator)
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
@@ -171,6 +166,29 @@ def argmax_rows(logits: torch.Tensor) -> np.ndarray:
     sixth of the time (torch's CPU argmax reads ~2 GB/s here, numpy's SIMD one ~10 times
     that); the [64, 49152] logits of a batch-64 step cost 0.88 ms in torch, 0.14 ms here."""
     return np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False)
+
+
+def draw_tokens(probs: torch.Tensor, own: list[torch.Generator | None],
+                shared: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` [S, vocab] (non-negative, not necessarily normalized):
+    the first entry whose cumulative sum exceeds ``u`` times the row's total, ``u`` one uniform
+    from the row's own generator (``own[i]``, a seeded request's) or, for rows without one, from
+    ``shared``. A zero-probability entry is never drawn: its cumulative sum equals its
+    predecessor's. float32 sums move each entry's chance by at most an ulp of the total (6e-8),
+    far below what sampling can show."""
+    u = torch.empty(len(own), 1)
+    rest = [i for i, g in enumerate(own) if g is None]
+    if rest:
+        u[rest] = torch.rand(len(rest), 1, generator=shared)
+    for i, g in enumerate(own):
+        if g is not None:
+            u[i].uniform_(generator=g)
+    cum = probs.cumsum(dim=-1)
+    tokens = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(1)
+    over = tokens >= probs.shape[-1]  # u * total rounded up to the total
+    if over.any():  # then the row's last entry with a non-zero chance
+        tokens[over] = (cum[over] < cum[over][:, -1:]).sum(dim=-1)
+    return tokens
 
 
 def filtered_probs(logits: torch.Tensor, rows: np.ndarray, batch: InputBatch) -> torch.Tensor:

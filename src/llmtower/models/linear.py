@@ -31,6 +31,7 @@ from llmtower.kernels import ops
 from llmtower.kernels.gemm_bf16 import gemm_bf16, gemm_bf16_silu_mul
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.utils import cpu_info
 
 Linear = Callable[..., torch.Tensor]
 
@@ -68,7 +69,20 @@ F32_KERNEL_MAX_ROWS = 256
 # kernels/gemm_bf16.c, which reads the few-row kernel's copy (no third one) and sums as it does:
 # a row's result is the same at any row count up to here. 0 turns the kernel off
 # (benchmarks/gemm_bf16.py compares the two in one process).
-BF16_KERNEL_MAX_ROWS = 256
+BF16_KERNEL_MAX_ROWS_AVX512 = 256
+
+
+def bf16_kernel_max_rows(flags: frozenset[str]) -> int:
+    """``BF16_KERNEL_MAX_ROWS`` for a CPU with these /proc/cpuinfo flags. With AVX512-BF16
+    alone, gemm_bf16 beats oneDNN up to 256 rows (AMD Zen 4: 1.2-1.5x). Where the CPU has AMX
+    tiles, oneDNN multiplies bfloat16 on them: SmolLM2's decode matrices (Xeon, 2 threads,
+    ``benchmarks/gemm_bf16.py --shapes-only``) ran 1.3x faster on oneDNN at 16 rows, 3-4x at
+    64 and more, and level at 8-12, so there the few-row kernel's 8 rows are the kernels' share
+    and everything above goes to oneDNN."""
+    return 0 if "amx_bf16" in flags else BF16_KERNEL_MAX_ROWS_AVX512
+
+
+BF16_KERNEL_MAX_ROWS = bf16_kernel_max_rows(cpu_info().flags)
 
 
 def decode_kernel_rows(weight: PackedWeight) -> int:
