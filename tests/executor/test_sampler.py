@@ -246,3 +246,17 @@ def test_greedy_argmax_is_torchs_on_ties_nan_and_infinities():
     batch, idx = make_batch(*[SamplingParams(temperature=0.0, logprobs=1)] * 9)
     tokens, lps = Sampler(seed=0)(torch.tensor(rows), idx, batch)
     assert tokens.tolist() == torch.tensor(rows).argmax(dim=-1).tolist()
+
+
+
+def test_draw_tokens_never_picks_a_zero_probability_entry():
+    """The inverse-CDF draw: entries with no chance (first, last, between) are never drawn,
+    even at u = 0 and where u times the total rounds up to the total; the frequencies follow
+    the probabilities."""
+    from llmtower.executor.sampler import draw_tokens, pick_tokens
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]])
+    tokens = draw_tokens(probs.repeat(4000, 1), [None] * 4000, torch.Generator().manual_seed(3))
+    assert set(tokens.tolist()) == {1, 3}
+    assert (tokens == 3).float().mean().item() == pytest.approx(0.75, abs=0.03)
+    edges = torch.tensor([[0.0], [0.2499], [0.25], [1.0 - 2 ** -24], [1.0]])
+    assert pick_tokens(probs.repeat(5, 1), edges).tolist() == [1, 1, 3, 3, 3]

@@ -183,10 +183,17 @@ def draw_tokens(probs: torch.Tensor, own: list[torch.Generator | None],
     for i, g in enumerate(own):
         if g is not None:
             u[i].uniform_(generator=g)
+    return pick_tokens(probs, u)
+
+
+def pick_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` [S, vocab], the first entry whose cumulative sum exceeds ``u``
+    [S, 1] (in [0, 1)) times the row's total; where that product rounds up to the total, the
+    row's last entry with a non-zero chance."""
     cum = probs.cumsum(dim=-1)
     tokens = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(1)
-    over = tokens >= probs.shape[-1]  # u * total rounded up to the total
-    if over.any():  # then the row's last entry with a non-zero chance
+    over = tokens >= probs.shape[-1]
+    if over.any():
         tokens[over] = (cum[over] < cum[over][:, -1:]).sum(dim=-1)
     return tokens
 
