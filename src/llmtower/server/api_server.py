@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import socket
-from collections.abc import Generator
+from collections.abc import Coroutine, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -198,7 +200,9 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level or settings.log_level,
                                 access_log=False,
-                                timeout_graceful_shutdown=5, **uvicorn_kwargs(settings.frontend))
+                                timeout_graceful_shutdown=5,
+                                http="h11" if os.environ.get(EVENT_LOOP_ENV) == "asyncio" else "auto",
+                                **uvicorn_kwargs(settings.frontend))
         server = _Server(config)
         shutdown.stop_server = server.request_exit
         logger.info("llmtower serving %s on %s://%s:%d", llm.model_name,
@@ -241,6 +245,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Which event loop and HTTP parser serve: "auto" takes uvloop and httptools where installed
+# (uvicorn's own choice for its HTTP side), "asyncio" the standard library's loop and h11.
+EVENT_LOOP_ENV = "LLMTOWER_EVENT_LOOP"
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run the server's coroutine on uvloop where installed (its transports write in C: the
+    API process sends one SSE chunk per token per stream) unless $LLMTOWER_EVENT_LOOP=asyncio."""
+    choice = os.environ.get(EVENT_LOOP_ENV, "auto")
+    if choice not in ("auto", "asyncio"):
+        raise ValueError(f"${EVENT_LOOP_ENV}={choice!r}: set 'auto' or 'asyncio', or unset it")
+    if choice == "auto":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    asyncio.run(main)
+
+
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     """Blocking entry point of ``llmtower serve``."""
     logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.INFO),
@@ -248,7 +273,7 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     # SIGTERM (e.g. from a supervisor) shuts down like Ctrl-C; serve() installs the handlers
     # of both on its event loop, which drain in-flight requests first.
     try:
-        asyncio.run(serve(engine_args, settings))
+        run_event_loop(serve(engine_args, settings))
     except (KeyboardInterrupt, asyncio.CancelledError):  # stopped while starting
         logger.info("llmtower stopped during start-up; engine stopped")
     except EngineStartupError as e:  # its own error and traceback were logged above
