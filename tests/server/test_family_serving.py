@@ -218,7 +218,8 @@ SWITCHES = {
                    ["<|im_start|>user\nWhy?<|im_end|>\n",
                     "<|im_start|>assistant\n<think>\n\n</think>\n\n"])],
     "gpt_oss": [({"chat_template_kwargs": {"reasoning_effort": "high"}},
-                 ["Reasoning: high\n\n", "<|start|>assistant"])],
+                 ["Reasoning: high\n\n", "<|start|>assistant"]),
+                ({"reasoning_effort": "low"}, ["Reasoning: low\n\n", "<|start|>assistant"])],
 }
 
 

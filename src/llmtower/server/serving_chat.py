@@ -113,7 +113,7 @@ class OpenAIServingChat(ServingBase):
             params.skip_special_tokens = False  # the format's markers are special tokens
         prompt, ids = await self.render_prompt(
             req.messages, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs, req.chat_template, plan.template_tools())
+            req.template_kwargs(), req.chat_template, plan.template_tools())
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
         request_id, engine_id = self.request_ids("chatcmpl", req, raw)
