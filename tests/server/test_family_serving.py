@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server_process import ServerProcess
-from tests.fixtures.family_chat import FAMILY_CHAT, build_family_chat_model
+from tests.fixtures.family_chat import FAMILY_CHAT, HARMONY_REPLY, build_family_chat_model
 
 MESSAGES = [{"role": "system", "content": "Be terse."},
             {"role": "user", "content": "Hi"},
@@ -235,20 +235,28 @@ def test_template_switches_reach_the_template(family, served):
 
 
 @only("gpt_oss")
-def test_gpt_oss_streams_the_split_it_returns(served):
+def test_gpt_oss_returns_its_final_channel(served):
+    """The served gpt-oss model is scripted to answer as gpt-oss does (family_chat.
+    script_harmony_reply): its final-channel text is the content, without markers or
+    channel names, whole and streamed, and the reply stops at <|return|>."""
     _, server = served
-    whole = _chat(server, "gpt_oss").json()["choices"][0]["message"]
+    answer = HARMONY_REPLY.split("<|message|>")[1].split("<|return|>")[0]
+    r = _chat(server, "gpt_oss", max_tokens=32)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == answer
+    assert "reasoning_content" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
     parts: dict[str, str] = {"reasoning_content": "", "content": ""}
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60, json={
-            "model": "gpt_oss", "messages": MESSAGES, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True}) as r:
+            "model": "gpt_oss", "messages": MESSAGES, "max_tokens": 32, "temperature": 0,
+            "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 for key in parts:
                     parts[key] += delta.get(key) or ""
-    assert parts == {"reasoning_content": whole.get("reasoning_content") or "",
-                     "content": whole["content"] or ""}
+    assert parts == {"reasoning_content": "", "content": answer}
 
 
 @only(*WINDOWED)
