@@ -5,9 +5,9 @@ generation_config.json's EOS ids (tests/fixtures/family_chat.py); one server per
 group of them started side by side at a time. A chat completion's prompt is the template's rendering as transformers
 renders it, its greedy reply is transformers' (float32), the family's turn-end
 tokens stop it, the templates' own switches (SmolLM3's /think and /no_think, Qwen3's
-enable_thinking, gpt-oss's reasoning_effort) reach them, gpt-oss's harmony reply is split into
-reasoning and content, and the sliding-window families serve a context far past their
-windows."""
+enable_thinking, gpt-oss's reasoning_effort) reach them, a gpt-oss answer in harmony comes
+back as its final channel's text, and the sliding-window families serve a context far past
+their windows."""
 from __future__ import annotations
 
 import json
