@@ -46,6 +46,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
         logits_scaling=8.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # Three windowed layers of four (16 tokens), YaRN on the global layer only.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32,
+                                            "rope_theta": 10000.0}})),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, **MOE)),
     # Layer 1 dense (mlp_only_layers), a shared expert with its sigmoid gate, q/k/v biases.

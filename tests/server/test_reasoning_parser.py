@@ -20,7 +20,8 @@ import pytest
 from llmtower.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from server_args import MODEL, TINY_SERVER_ARGS, start_servers
 
-PARSERS = sorted(REASONING_PARSERS)
+# The <think> parsers (gpt-oss's harmony one: test_reasoning_harmony.py).
+PARSERS = sorted(n for n in REASONING_PARSERS if not REASONING_PARSERS[n].needs_special_tokens)
 
 # (text, {parser: (reasoning, content)})
 SAMPLES = [
@@ -118,10 +119,10 @@ def test_a_partial_tag_is_held_back_until_it_is_known_not_to_be_one():
 
 
 def test_an_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match="'nope'.*deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="'nope'.*deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
     from llmtower.server.api_server import ServerSettings
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         ServerSettings(reasoning_parser="nope")
 
 
@@ -132,7 +133,7 @@ def test_serve_refuses_an_unknown_parser_at_startup(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--reasoning-parser" in err and "'deepseek_r1'" in err
-    assert "'qwen3'" in err
+    assert "'qwen3'" in err and "'openai_gptoss'" in err
 
 
 # ------------------------------------------------------------------ Responses stream (no model)

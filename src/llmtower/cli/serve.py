@@ -143,10 +143,12 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, "
                    "Qwen2.5 / SmolLM2 style) or llama3_json")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="split a thinking model's <think>...</think> off into the answer's "
+    g.add_argument("--reasoning-parser", default=None,
+                   choices=["deepseek_r1", "qwen3", "openai_gptoss"],
+                   help="split a thinking model's reasoning off into the answer's "
                    "reasoning_content: deepseek_r1 (the start tag may be in the prompt: text "
-                   "up to </think> is reasoning) or qwen3 (reasoning only after <think>)")
+                   "up to </think> is reasoning), qwen3 (reasoning only after <think>) or "
+                   "openai_gptoss (harmony's analysis channel; the default for gpt-oss models)")
 
 
 def _add_guard_args(p: argparse.ArgumentParser) -> None:

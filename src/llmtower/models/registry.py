@@ -34,6 +34,7 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(_M + "gemma", "Gemma3ForCausalLM", "gemma3_text"),
     "GraniteForCausalLM": Family(_M + "granite", "GraniteForCausalLM", "granite"),
     "Olmo2ForCausalLM": Family(_M + "olmo2", "Olmo2ForCausalLM", "olmo2"),
+    "Olmo3ForCausalLM": Family(_M + "olmo3", "Olmo3ForCausalLM", "olmo3"),
     "SmolLM3ForCausalLM": Family(_M + "smollm3", "SmolLM3ForCausalLM", "smollm3"),
     "MixtralForCausalLM": Family(_M + "moe", "MixtralForCausalLM", "mixtral"),
     "Qwen2MoeForCausalLM": Family(_M + "moe", "Qwen2MoeForCausalLM", "qwen2_moe"),

@@ -46,7 +46,7 @@ from llmtower.server.middleware import (
     HostAllowListMiddleware,
     RequestIdHeaderMiddleware,
 )
-from llmtower.server.reasoning import get_reasoning_parser
+from llmtower.server.reasoning import default_reasoning_parser, get_reasoning_parser
 from llmtower.server.serving_chat import OpenAIServingChat, build_chat_router
 from llmtower.server.serving_completions import OpenAIServingCompletion, build_completions_router
 from llmtower.server.serving_models import build_models_router
@@ -125,10 +125,12 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         llm.max_model_len, max_n=settings.max_n,
         trust_request_chat_template=settings.trust_request_chat_template)
     completions = OpenAIServingCompletion(llm, limits)
+    # --reasoning-parser, else the one the model's own output format needs (gpt-oss).
+    assert llm.ready is not None, "start() the AsyncLLM first"
+    reasoning = settings.reasoning_parser or default_reasoning_parser(llm.ready.model_path)
     chat = OpenAIServingChat(llm, limits, ToolSettings(settings.enable_auto_tool_choice,
                                                         settings.tool_call_parser),
-                             get_reasoning_parser(settings.reasoning_parser)
-                             if settings.reasoning_parser else None)
+                             get_reasoning_parser(reasoning) if reasoning else None)
     app.include_router(build_admin_router(llm))
     app.include_router(build_responses_router(chat))
     app.include_router(build_probe_router(llm))

@@ -81,6 +81,15 @@ class ChatCompletionRequest(SamplingRequestFields):
     chat_template: str | None = None
     # vLLM's chat echo: a last message of the assistant's role is continued, and echoed.
     echo: bool = False
+    # OpenAI's: how hard a reasoning model thinks; the template's ``reasoning_effort``
+    # (gpt-oss's), unless chat_template_kwargs sets that itself.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort among them when it is set."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

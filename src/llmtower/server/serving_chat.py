@@ -109,9 +109,11 @@ class OpenAIServingChat(ServingBase):
         # A grammar (structured output, a required / named tool) holds from the first token,
         # so such an answer has no thinking: all of it is content.
         reasoner = self.reasoning_parser if params.structured_outputs is None else None
+        if reasoner is not None and reasoner.needs_special_tokens:
+            params.skip_special_tokens = False  # the format's markers are special tokens
         prompt, ids = await self.render_prompt(
             req.messages, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs, req.chat_template, plan.template_tools())
+            req.template_kwargs(), req.chat_template, plan.template_tools())
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
         request_id, engine_id = self.request_ids("chatcmpl", req, raw)

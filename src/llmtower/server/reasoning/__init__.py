@@ -11,10 +11,24 @@ across deltas is held back until it is known to be one.
 - ``qwen3``: reasoning only when ``<think>`` appears (none with ``enable_thinking: false``);
   text before it is content.
 
+- ``openai_gptoss``: gpt-oss's harmony messages (``harmony.py``): ``analysis`` channel
+  bodies are reasoning, ``final`` / ``commentary`` bodies content. Its markers are special
+  tokens, so a request's text is detokenized with them (``needs_special_tokens``). A gpt-oss
+  model gets it without ``--reasoning-parser`` (``default_reasoning_parser``), as vLLM always
+  parses gpt-oss replies: without it the content would be the channel names run together
+  with the answer.
+
 With no end tag (the answer was cut by max_tokens while thinking) all the text after the
 start is reasoning. Only the first thinking block counts: after ``</think>`` all is content.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from llmtower.server.reasoning.harmony import HarmonyStreamer
+from llmtower.server.reasoning.tags import held_back
 
 START, END = "<think>", "</think>"
 BEFORE, REASONING, AFTER = "before", "reasoning", "after"
@@ -60,21 +74,18 @@ class ReasoningStreamer:
             else:
                 self.state = AFTER
             self.tagged = True
-        hold = 0 if finished else _held_back(self.pending, self._tags())
+        hold = 0 if finished else held_back(self.pending, self._tags())
         emit(self.pending[:len(self.pending) - hold])
         self.pending = self.pending[len(self.pending) - hold:]
         return "".join(reasoning) or None, "".join(content) or None
 
 
-def _held_back(text: str, tags: tuple[str, ...]) -> int:
-    """How many trailing characters of ``text`` may begin one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if text.endswith(tag[:k]):
-                best = max(best, k)
-                break
-    return best
+class Streamer(Protocol):
+    """What the chat endpoint feeds an output's text to, delta by delta."""
+
+    tagged: bool
+
+    def feed(self, delta: str, finished: bool = False) -> tuple[str | None, str | None]: ...
 
 
 class ReasoningParser:
@@ -82,8 +93,10 @@ class ReasoningParser:
 
     name = ""
     start_optional = False
+    # The format's markers are special tokens: the text must be detokenized with them.
+    needs_special_tokens = False
 
-    def streamer(self) -> ReasoningStreamer:
+    def streamer(self) -> Streamer:
         return ReasoningStreamer(self.start_optional)
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
@@ -105,10 +118,30 @@ class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
 
+class GptOssReasoningParser(ReasoningParser):
+    name = "openai_gptoss"
+    needs_special_tokens = True
+
+    def streamer(self) -> Streamer:
+        return HarmonyStreamer()
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
+    GptOssReasoningParser.name: GptOssReasoningParser,
 }
+# config.json model_type -> the parser its replies need even without --reasoning-parser.
+_MODEL_TYPE_PARSERS = {"gpt_oss": GptOssReasoningParser.name}
+
+
+def default_reasoning_parser(model_path: str | Path) -> str | None:
+    """The parser a model's own output format needs (None for most): gpt-oss's harmony."""
+    try:
+        model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return _MODEL_TYPE_PARSERS.get(model_type)
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -119,4 +152,5 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
                          f"{', '.join(sorted(REASONING_PARSERS))}") from None
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStreamer", "get_reasoning_parser"]
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStreamer", "Streamer",
+           "default_reasoning_parser", "get_reasoning_parser"]
