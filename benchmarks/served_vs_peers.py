@@ -97,6 +97,7 @@ def offline(dtype_args: list[str], num_prompts: int) -> float:
     subprocess.run([PYTHON, "-m", "llmtower.cli.main", "bench", "throughput", "--model",
                     DEFAULT_MODEL_NAME, "--num-prompts", str(num_prompts), "--input-len", "128",
                     "--output-len", "64", "--ignore-eos", "--disable-tqdm", "--seed", "0",
+                    "--temperature", "0",  # greedy, as the served client's requests
                     "--output-json", str(out), *dtype_args], env=env(), check=True,
                    stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["output_tokens_per_second"]
@@ -166,7 +167,7 @@ def main() -> None:
     dtype = next(iter(results)).split(": ")[-1]
     off = offline(["--dtype", dtype] if dtype in ("float32", "bfloat16") else [],
                   args.num_prompts)
-    print(f"\noffline engine ({dtype}, {args.num_prompts} random prompts 128 in / 64 out): "
+    print(f"\noffline engine ({dtype}, {args.num_prompts} random prompts 128 in / 64 out, greedy): "
           f"{off:.0f} tok/s; served at rate inf, cold: {defaults['cold_tok_s']:.0f} tok/s = "
           f"{defaults['cold_tok_s'] / off:.2f}x offline (load {load()})")
     print("\nAgainst the issue's recorded figures (ANOTHER SESSION, quiet machine, vLLM's client; "
