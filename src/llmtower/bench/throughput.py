@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,7 +22,9 @@ from llmtower.bench.synthetic import is_synthetic_model, synthetic_model_dir
 from llmtower.core.outputs import EngineCoreRequest
 from llmtower.core.sampling_params import SamplingParams
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core import EngineCore
+
+if TYPE_CHECKING:  # the engine (and torch) load when a run starts, not when the CLI parses
+    from llmtower.engine.core import EngineCore
 
 
 @dataclass

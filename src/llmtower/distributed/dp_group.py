@@ -33,9 +33,10 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads in the engine that joins a group, not in the API process
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ class DPGroup:
     # ------------------------------------------------------------------ collectives
     def _post(self, row: list[int]) -> None:
         row = [*row[:OP], self._max_op]
+        import torch
         t0 = time.perf_counter()
         t = torch.zeros(len(self.members), NUM_COLUMNS, dtype=torch.int64)
         t[self.members.index(self.config.rank)] = torch.tensor(row, dtype=torch.int64)

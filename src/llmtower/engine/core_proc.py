@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -34,14 +34,16 @@ from llmtower.core.errors import AdmissionError, QueueFullError
 from llmtower.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmtower.distributed.dp_group import DPGroup
 from llmtower.engine.args import EngineArgs
-from llmtower.engine.core import EngineCore
 from llmtower.engine.core_messages import (UTILITY_METHODS, EngineDead, EngineReady, InputTag,
                                            OutputTag, PingResult, RequestError, UtilityCall,
                                            UtilityResult)
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[EngineArgs], EngineCore]
+if TYPE_CHECKING:  # the model's modules (torch) load in the engine process, not in the API's
+    from llmtower.engine.core import EngineCore
+
+EngineFactory = Callable[[EngineArgs], "EngineCore"]
 
 # How often the input thread wakes up to check that the parent (API) process is still alive.
 PARENT_POLL_MS = 1000
