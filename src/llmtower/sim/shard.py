@@ -20,7 +20,9 @@ its outputs are applied with the run's. Nothing is applied until the run ends or
 pass (``Scheduler.advance_decode_steps``) with their timeline rows, inter-token gaps and the
 requests that stopped, and the next step takes the arrival. A cut run and an uncut one apply
 the very steps that step-by-step simulation would, so the results are identical either way
-(tested).
+(tested). Where the arrivals are known ahead (a sharded run announces each batch it delivers:
+``expect``), a run is planned only up to the step its replica's next arrival will cut, so no
+step is planned in vain.
 """
 from __future__ import annotations
 
@@ -43,10 +45,10 @@ from llmtower.sim.workload import TraceRequest
 SIM_TOKEN = 1
 # A run shorter than this is simulated step by step (planning one costs about a step).
 MIN_DECODE_RUN = 2
-# Steps planned at once: a run is planned up to this many steps ahead, twice as many after
-# each one that ends uncut (up to MAX_RUN_PLAN), back to this after a cut. An arrival cuts a
-# run, and the steps planned past the cut are wasted work; a run that ends uncut is followed
-# by the next one at the cost of one more plan.
+# Steps planned at once where the next arrival is not announced: a run is planned up to this
+# many steps ahead, twice as many after each one that ends uncut (up to MAX_RUN_PLAN), back to
+# this after a cut. An arrival cuts a run, and the steps planned past the cut are wasted work;
+# a run that ends uncut is followed by the next one at the cost of one more plan.
 FIRST_RUN_PLAN = 16
 MAX_RUN_PLAN = 4096
 

@@ -226,10 +226,8 @@ class DecodeRunMixin(SchedulerState):
         self.finished_req_ids = set()
         num_stops = 0
         tail = [token_id] * k
-        for i, req in enumerate(running):
-            rid = request_ids[i]
-            base = bases[i]
-            last = lasts[i]
+        hash_full_blocks = kv.hash_full_blocks
+        for i, (req, rid, base, last) in enumerate(zip(running, request_ids, bases, lasts)):
             stops = last <= k
             if stops:
                 events.append((last, 1, i + i + 1))
@@ -248,7 +246,7 @@ class DecodeRunMixin(SchedulerState):
                 # hashes are computed now, in one pass (cache_blocks then finds them).
                 s = bs - base % bs
                 if s <= last:
-                    kv.hash_full_blocks(req, base + last)
+                    hash_full_blocks(req, base + last)
                     while s <= last:
                         events.append((s, 1, i + i))
                         s += bs
