@@ -95,3 +95,27 @@ def test_state_reports_inside_runs_read_the_step_in_flight(interval, runs_applie
         res.append(build_result(Simulator(cfg).run(trace)))
     assert runs_applied[0] > 0
     _same(*res)
+
+
+def test_runs_end_where_the_next_announced_arrival_cuts_them(runs_applied, monkeypatch):
+    """A sharded run announces each shard's arrivals ahead (``ReplicaShard.expect``): a run is
+    planned up to the step in flight at its replica's next arrival and no further, so every
+    step planned is applied (none is planned past a cut), with the same results as one
+    process without announcements."""
+    from llmtower.sim.shard import ReplicaShard
+    planned = [0]
+    orig = ReplicaShard._plan
+
+    def counted(self, rep, *args):
+        orig(self, rep, *args)
+        planned[0] += len(self._plans[rep.index].ends)
+
+    monkeypatch.setattr(ReplicaShard, "_plan", counted)
+    trace = _trace()
+    # (round_robin reads no state: routing_interval only sends the run through the shards.)
+    sharded = _run(trace, True, workers=1, interval=0.5)
+    assert runs_applied[0] > 0 and planned[0] == runs_applied[0]
+    planned[0] = runs_applied[0] = 0
+    one = _run(trace, True)
+    assert planned[0] > runs_applied[0]  # without announcements, steps planned past cuts
+    _same(one, sharded)

@@ -131,8 +131,13 @@ class MetricsCollector:
         gaps = self.itl_counts
         first = ends[0]
         prevs = list(map(last.get, request_ids))
-        if prevs and prevs.count(prevs[0]) == len(prevs):  # (mostly: the last step's end)
-            counted = ((prevs[0], len(prevs)),)
+        # Mostly one previous time (the last step's end), and None for the requests whose
+        # first token this is (a run from the step that admitted them): counted in C passes.
+        first_prev = prevs[0] if prevs else None
+        same = prevs.count(first_prev)
+        if same == len(prevs) or (first_prev is not None
+                                  and same + prevs.count(None) == len(prevs)):
+            counted = ((first_prev, same),)
         else:
             counted = Counter(prevs).items()  # type: ignore[assignment]
         for prev, count in counted:

@@ -20,12 +20,15 @@ its outputs are applied with the run's. Nothing is applied until the run ends or
 pass (``Scheduler.advance_decode_steps``) with their timeline rows, inter-token gaps and the
 requests that stopped, and the next step takes the arrival. A cut run and an uncut one apply
 the very steps that step-by-step simulation would, so the results are identical either way
-(tested).
+(tested). Where the arrivals are known ahead (a sharded run announces each batch it delivers:
+``expect``), a run is planned only up to the step its replica's next arrival will cut, so no
+step is planned in vain.
 """
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass
 
 from llmtower.core.errors import AdmissionError, QueueFullError
@@ -42,10 +45,10 @@ from llmtower.sim.workload import TraceRequest
 SIM_TOKEN = 1
 # A run shorter than this is simulated step by step (planning one costs about a step).
 MIN_DECODE_RUN = 2
-# Steps planned at once: a run is planned up to this many steps ahead, twice as many after
-# each one that ends uncut (up to MAX_RUN_PLAN), back to this after a cut. An arrival cuts a
-# run, and the steps planned past the cut are wasted work; a run that ends uncut is followed
-# by the next one at the cost of one more plan.
+# Steps planned at once where the next arrival is not announced: a run is planned up to this
+# many steps ahead, twice as many after each one that ends uncut (up to MAX_RUN_PLAN), back to
+# this after a cut. An arrival cuts a run, and the steps planned past the cut are wasted work;
+# a run that ends uncut is followed by the next one at the cost of one more plan.
 FIRST_RUN_PLAN = 16
 MAX_RUN_PLAN = 4096
 
@@ -63,6 +66,8 @@ class DecodePlan:
     # first step (None: the run starts between steps).
     in_flight: SchedulerOutput | None = None
     cut: bool = False  # an arrival cut it short
+    # Each request's stop step as planned (None once part of the run has been applied).
+    lasts: list[int] | None = None
 
 
 @dataclass
@@ -120,9 +125,18 @@ class ReplicaShard:
         self._plans: dict[int, DecodePlan] = {}
         self._stale: set[int] = set()
         self._plan_steps = dict.fromkeys(self.replicas, FIRST_RUN_PLAN)
+        # Arrival times announced ahead (``expect``), per replica, in order: a run is planned
+        # up to the step that the next one would cut it at, and no further.
+        self._upcoming: dict[int, deque[float]] = {i: deque() for i in self.replicas}
+        self._min_step_s: float | None = None  # the shortest decode step (_plan_limit)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else float("inf")
+
+    def expect(self, replica: int, arrival_time: float) -> None:
+        """Announce an arrival at ``replica`` that ``submit`` will deliver (in order, after
+        those announced before it): plans end where it would cut them."""
+        self._upcoming[replica].append(arrival_time)
 
     def submit(self, tr: TraceRequest, trace_index: int, replica: int,
                token_ids: list[int]) -> None:
@@ -143,6 +157,9 @@ class ReplicaShard:
                                    priority=tr.priority if self.use_priority else 0,
                                    arrival_time=tr.arrival_time, tenant=tr.tenant))
         self.metrics.on_submit(tr.request_id, trace_index, tr.arrival_time)
+        upcoming = self._upcoming[rep.index]
+        if upcoming:
+            upcoming.popleft()  # (this one)
         if rep.index in self._plans:
             self._cut(rep, tr.arrival_time)
         if rep.in_flight is None and not self._wake[rep.index]:
@@ -206,7 +223,7 @@ class ReplicaShard:
         if not sched.requests:
             return False
         if self.decode_runs and not arrived:
-            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index])
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_limit(rep))
             if shape.num_steps >= MIN_DECODE_RUN:
                 self._plan(rep, shape)
                 return False  # the run's end is in the heap
@@ -223,7 +240,7 @@ class ReplicaShard:
         if self.decode_runs and not sched.waiting:
             # The step that admitted arrivals may be the first of a run (its outputs applied
             # with the run's decode steps).
-            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_steps[rep.index], so)
+            shape = sched.decode_run_ahead(SIM_TOKEN, self._plan_limit(rep), so)
             if shape.num_steps >= MIN_DECODE_RUN:
                 self._plan(rep, shape, so, t)
                 return False
@@ -231,13 +248,29 @@ class ReplicaShard:
         return True
 
     # ------------------------------------------------------------------ decode runs
+    def _plan_limit(self, rep: Replica) -> int:
+        """Steps to plan ahead: when the replica's next arrival is known, as many as could
+        end before it (no decode step is shorter than one of a single request with a context
+        of one: the step time grows with each of its counts), the plan then ending at the step
+        it will cut; else the adaptive guess."""
+        upcoming = self._upcoming[rep.index]
+        if not upcoming:
+            return self._plan_steps[rep.index]
+        if self._min_step_s is None:
+            self._min_step_s = rep.executor.cost_model.step_time(1, 1, 1, 1, 1, 0)
+        if self._min_step_s <= 0:
+            return MAX_RUN_PLAN
+        steps = (upcoming[0] - rep.clock.now) / self._min_step_s + 2
+        return MAX_RUN_PLAN if steps >= MAX_RUN_PLAN else max(MIN_DECODE_RUN, int(steps))
+
     def _plan(self, rep: Replica, shape: DecodeRunShape, in_flight: SchedulerOutput | None = None,
               start: float = 0.0) -> None:
         """Plan a run of plain decode steps from the replica's now: their times, step by step
         as the executor would add them to its clock (the same shapes: n tokens, n sampled, a
         context of the requests' computed tokens after the step; a request that stops in a
         step leaves the batch after it). With ``in_flight``, the step executed from ``start``
-        to now is the run's first."""
+        to now is the run's first. The plan ends with the step in flight when the replica's
+        next announced arrival comes (where that arrival would cut it)."""
         running = rep.scheduler.running
         n = len(running)
         computed = sum(r.num_computed_tokens for r in running)  # before the run's decodes
@@ -249,6 +282,9 @@ class ReplicaShard:
         now = rep.clock.now
         first = 1
         offset = 0
+        num_steps = shape.num_steps
+        upcoming = self._upcoming[rep.index]
+        horizon = upcoming[0] if upcoming else float("inf")
         if in_flight is not None:
             starts.append(start)
             dts.append(rep.executor.last_step_s)
@@ -259,18 +295,23 @@ class ReplicaShard:
                 p += 1
             first = 2
             offset = 1
-        for s in range(first, shape.num_steps + 1):
+            if now >= horizon:
+                num_steps = 1
+        for s in range(first, num_steps + 1):
             ctx = computed + (s - offset) * n
             dt = step_time(n, n, ctx, ctx, n, 0)
             starts.append(now)
             dts.append(dt)
             now += dt
             ends.append(now)
+            if now >= horizon:
+                break
             while p < num_stops and stops[p][0] == s:
                 n -= 1
                 computed -= stops[p][1]
                 p += 1
-        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1, in_flight)
+        plan = self._plans[rep.index] = DecodePlan(starts, dts, ends, -1, in_flight,
+                                                   lasts=shape.lasts or None)
         plan.seq = self._push(now, rep.index)
 
     def _cut(self, rep: Replica, t: float) -> None:
@@ -298,7 +339,7 @@ class ReplicaShard:
         ends = plan.ends[:j]
         rep.clock.now = ends[-1]
         n = len(sched.running)
-        run = sched.advance_decode_steps(j, SIM_TOKEN, ends, plan.in_flight)
+        run = sched.advance_decode_steps(j, SIM_TOKEN, ends, plan.in_flight, plan.lasts)
         if run.finished_req_ids:
             ex.forget(run.finished_req_ids)
         stop_steps = run.stop_steps

@@ -54,6 +54,8 @@ class ShardRunner:
         """Deliver ``arrivals``; with ``until``, run every step before it and report the
         replicas' state at ``until``."""
         shard, trace = self.shard, self.trace
+        for ti, ri, _ in arrivals:
+            shard.expect(ri, trace[ti].arrival_time)
         for ti, ri, ids in arrivals:
             shard.submit(trace[ti], ti, ri, ids if isinstance(ids, list) else list(ids))
         if until is None:

@@ -87,9 +87,11 @@ def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, se
         for t in (steps, bulk):
             t.sched.add_request(_request(i, random.Random(seed * 100 + i)))
         for _ in range(rng.randrange(0, 12)):
+            lasts = None
             if past_stops:
                 shape = bulk.sched.decode_run_ahead(TOK)
                 k = shape.num_steps
+                lasts = shape.lasts  # the plan's stop steps, reused by the run
                 stops_inside += sum(1 for s, _ in shape.stops if s < k)
             else:
                 k = bulk.sched.decode_steps_ahead(TOK)
@@ -99,7 +101,8 @@ def test_runs_of_decode_steps_equal_step_by_step(policy, caching, num_blocks, se
                     steps.step()
                 ends = [bulk.now + s for s in range(1, j + 1)]
                 bulk.now += j
-                run = bulk.sched.advance_decode_steps(j, TOK, ends if past_stops else None)
+                run = bulk.sched.advance_decode_steps(j, TOK, ends if past_stops else None,
+                                                      lasts=lasts)
                 bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1], _times(o))
                                   for o, s in zip(run.stopped, run.stop_steps)]
                 applied += j
@@ -129,14 +132,17 @@ def test_runs_from_a_step_in_flight_equal_step_by_step(policy, caching, num_bloc
             t.sched.add_request(_request(i, random.Random(seed * 100 + i)))
         for _ in range(rng.randrange(1, 8)):
             so = bulk.sched.schedule()
-            k = bulk.sched.decode_run_ahead(TOK, in_flight=so).num_steps
+            shape = bulk.sched.decode_run_ahead(TOK, in_flight=so)
+            k = shape.num_steps
             if k >= 1:
                 j = rng.randrange(1, k + 1)
                 for _ in range(j):
                     steps.step()
                 ends = [bulk.now + s for s in range(1, j + 1)]
                 bulk.now += j
-                run = bulk.sched.advance_decode_steps(j, TOK, ends, in_flight=so)
+                # (Half of them with the plan's stop steps, half asking again.)
+                run = bulk.sched.advance_decode_steps(j, TOK, ends, in_flight=so,
+                                                      lasts=shape.lasts if i % 2 else None)
                 bulk.finished += [(o.request_id, o.finish_reason, ends[s - 1], _times(o))
                                   for o, s in zip(run.stopped, run.stop_steps)]
                 from_flight += 1

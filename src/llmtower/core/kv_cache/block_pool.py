@@ -170,6 +170,16 @@ class BlockPool:
             b.ref_cnt = 1
         return out
 
+    def allocate_one(self) -> KVCacheBlock:
+        """``allocate(1)``'s block, without the list (a decode crossing into a new block)."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        return block
+
     def free(self, blocks_in_free_order) -> None:
         """Drop one reference from each block; a block reaching zero joins the free list."""
         self.free_queue.link_released(blocks_in_free_order)

@@ -113,6 +113,32 @@ class KVCacheManager:
                 cached[h] = b
         self.num_cached_blocks[rid] = num_full
 
+    def cache_next_block(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_blocks`` where at most one more block is full and its hash is known
+        (``hash_full_blocks``): a decode filling its block, once per block and step."""
+        rid = request.request_id
+        index = num_computed_tokens // self.block_size - 1
+        if index != self.num_cached_blocks.get(rid, 0) or self.num_dead_blocks \
+                or index >= len(request.block_hashes):
+            self.cache_blocks(request, num_computed_tokens)  # none, several, or unhashed
+            return
+        b = self.req_to_blocks[rid][index]
+        h = request.block_hashes[index]
+        cached = self.pool.cached
+        if b.block_hash is None and h not in cached:
+            b.block_hash = h
+            cached[h] = b
+        self.num_cached_blocks[rid] = index + 1
+
+    def hash_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Compute the hashes of the request's full blocks among its first ``num_tokens``
+        tokens ahead of their registration (``cache_blocks`` then only registers them): one
+        pass for the blocks a run of decode steps fills, rather than one call per block."""
+        hashes = request.block_hashes
+        # (The extra key is part of the first block's hash only.)
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_tokens,
+                            None if hashes else block_extra_key(request))
+
     def uncache_blocks(self, request: Request, start: int) -> None:
         """Take the request's blocks from index ``start`` on out of the prefix cache: they were
         registered when a step was scheduled, and that step will not compute them after all

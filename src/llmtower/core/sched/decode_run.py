@@ -66,6 +66,9 @@ class DecodeRunShape:
 
     num_steps: int
     stops: list[tuple[int, int]] = field(default_factory=list)
+    # Each running request's stop step (in ``running`` order; past ``num_steps``: it does
+    # not stop in the run), for ``advance_decode_steps`` to apply the run without asking again.
+    lasts: list[int] = field(default_factory=list)
 
 
 class DecodeRunMixin(SchedulerState):
@@ -167,7 +170,7 @@ class DecodeRunMixin(SchedulerState):
             return DecodeRunShape(k)
         stops = sorted((last, req.num_computed_tokens)
                        for last, req in zip(lasts, running) if last <= k)
-        return DecodeRunShape(k, stops)
+        return DecodeRunShape(k, stops, lasts)
 
     def _blocks_needed(self, k: int, lasts: list[int], in_flight: int = 0) -> int:
         """New KV blocks the running decodes take over ``k`` more steps (each only up to its
@@ -184,14 +187,16 @@ class DecodeRunMixin(SchedulerState):
 
     def advance_decode_steps(self, k: int, token_id: int,
                              step_ends: Sequence[float] | None = None,
-                             in_flight: SchedulerOutput | None = None) -> DecodeRun:
+                             in_flight: SchedulerOutput | None = None,
+                             lasts: list[int] | None = None) -> DecodeRun:
         """Apply ``k`` plain decode steps (``k`` <= the ``num_steps`` of ``decode_run_ahead``)
         as ``k`` rounds of ``schedule()`` and ``update_from_output()`` with ``token_id`` sampled
         would: requests that stop within them are finished as ``update_from_output`` finishes
         them, the others decode on. Step s ends at ``step_ends[s - 1]`` (default: the clock's
         now, for every step: then only the last step may stop requests). With ``in_flight``
         (as planned by ``decode_run_ahead``) the first step is that one: scheduled already,
-        its outputs are applied here (every request samples ``token_id``; no logprobs)."""
+        its outputs are applied here (every request samples ``token_id``; no logprobs).
+        ``lasts``: the ``lasts`` of that plan, when nothing has changed since it was made."""
         assert k >= 1
         assert in_flight is None or step_ends is not None, "a step in flight needs its end"
         kv = self.kv
@@ -209,41 +214,42 @@ class DecodeRunMixin(SchedulerState):
         # block that filled in the prefix cache, 2i + 1 stops the request), as
         # update_from_output applies them: a request's registration before its stop.
         events: list[tuple[int, int, int]] = []
-        bases = []
-        run = DecodeRun(self.finished_req_ids)
-        self.finished_req_ids = set()
-        request_ids = run.request_ids
-        last_batch = []
         running = self.running
+        request_ids = [r.request_id for r in running]
+        # Step s computes the token at position base + s - 1 (for s > done).
+        bases = [r.num_computed_tokens - done for r in running]
+        if lasts is None:  # the step in which each stops (as in _decode_run)
+            lasts = [_stop_step(r, len(r.all_token_ids), token_id, max_len) for r in running]
+        else:
+            assert len(lasts) == len(running), "lasts of another batch"
+        run = DecodeRun(self.finished_req_ids, request_ids=request_ids)
+        self.finished_req_ids = set()
+        num_stops = 0
         tail = [token_id] * k
-        for i, req in enumerate(running):
-            rid = req.request_id
-            request_ids.append(rid)
-            # Step s computes the token at position base + s - 1 (for s > done).
-            base = req.num_computed_tokens - done
-            bases.append(base)
-            # The step in which it stops (as in _decode_run).
-            last = _stop_step(req, len(req.all_token_ids), token_id, max_len)
+        hash_full_blocks = kv.hash_full_blocks
+        for i, (req, rid, base, last) in enumerate(zip(running, request_ids, bases, lasts)):
             stops = last <= k
             if stops:
                 events.append((last, 1, i + i + 1))
+                num_stops += 1
             else:
                 last = k
-            if last == k:
-                last_batch.append(req)
             # A new block where that position is past the request's blocks.
             s = len(req_to_blocks[rid]) * bs - base + 1
             while s <= last:
                 events.append((s, 0, i))
                 s += bs
+            req.all_token_ids.extend(tail if last == k else tail[:last])
             if caching:
                 # After step s, base + s tokens are computed, and a block that filled is
-                # registered: at every s where base + s crosses a multiple of bs.
+                # registered: at every s where base + s crosses a multiple of bs. Their
+                # hashes are computed now, in one pass (cache_blocks then finds them).
                 s = bs - base % bs
-                while s <= last:
-                    events.append((s, 1, i + i))
-                    s += bs
-            req.all_token_ids.extend(tail if last == k else tail[:last])
+                if s <= last:
+                    hash_full_blocks(req, base + last)
+                    while s <= last:
+                        events.append((s, 1, i + i))
+                        s += bs
             times = req.times
             if not times.first_token and not (stops and last == 1):
                 # In flight: a prefill's first token (one that ends it gets it as it stops).
@@ -253,6 +259,7 @@ class DecodeRunMixin(SchedulerState):
             req.num_computed_tokens = base + k
             times.last_token = end
         events.sort()
+        allocate_one = pool.allocate_one
         free_after = run.free_blocks
         last_new: dict[str, list[int]] = {}
         stopped: list[Request] = []
@@ -266,17 +273,17 @@ class DecodeRunMixin(SchedulerState):
                 # What kv.allocate_slots(req, 1) does for a decode crossing into a new block
                 # (no window, no hits); decode_run_ahead promised the run its free blocks.
                 rid = request_ids[i]
-                new = pool.allocate(1)
-                req_to_blocks[rid].append(new[0])
+                block = allocate_one()
+                req_to_blocks[rid].append(block)
                 if s == k:
-                    last_new[rid] = [new[0].block_id]
+                    last_new[rid] = [block.block_id]
                 continue
             if step_no == s:  # step s's outputs: its allocations are all done
                 free_after.append(pool.num_free_blocks)
                 step_no += 1
             req = running[i >> 1]
             if not i & 1:
-                kv.cache_blocks(req, bases[i >> 1] + s)
+                kv.cache_next_block(req, bases[i >> 1] + s)
                 continue
             # The request stops in step s: its last token, then finished at the step's end.
             assert s == k or step_ends is not None, "stops before the last step need step_ends"
@@ -297,7 +304,9 @@ class DecodeRunMixin(SchedulerState):
             step_no += 1
         self.num_steps += k - done
         if k > done:  # (else the step in flight is the last one schedule() made)
-            self._last = _last_step(last_batch, self, last_new)
+            self._last = _last_step(
+                [rid for rid, last in zip(request_ids, lasts) if last >= k]
+                if num_stops else request_ids, self, last_new)
         if stopped:
             gone = {r.request_id for r in stopped}
             self.running = [r for r in running if r.request_id not in gone]
@@ -307,15 +316,16 @@ class DecodeRunMixin(SchedulerState):
 _NO_RUN = DecodeRunShape(0)
 
 
-def _last_step(running: list[Request], sched: SchedulerState,
+def _last_step(request_ids: list[str], sched: SchedulerState,
                new_blocks: dict[str, list[int]]) -> Step:
-    """The run's last step as ``schedule()`` would have left it (for the statistics)."""
+    """The run's last step as ``schedule()`` would have left it (for the statistics): the
+    requests it scheduled (one token each) and their new blocks."""
     cfg = sched.config
     deg = sched.degradation
     step = Step(deg.token_budget(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill),
                 deg.max_num_seqs(cfg.max_num_seqs))
-    step.scheduled = dict.fromkeys([r.request_id for r in running], 1)
-    step.budget -= len(running)
+    step.scheduled = dict.fromkeys(request_ids, 1)
+    step.budget -= len(request_ids)
     step.new_blocks = new_blocks
     return step
 

@@ -198,7 +198,7 @@ class Scheduler(AdmissionMixin, ApplyOutputMixin, PreemptionMixin, StepOutputMix
                 if not self._preempt_lower_priority(req, step, now, displaced):
                     break
             hits, num_hit = self.kv.get_computed_blocks(req)
-            if step.provisional and hits:
+            if step.provisional and hits:  # (recorded only under a displacing policy)
                 hits, num_hit = self._same_step_hits(req, hits, step)
             if hits and req.sampling_params.prompt_logprobs is not None:
                 hits, num_hit = [], 0  # prompt logprobs need every prompt token's logits

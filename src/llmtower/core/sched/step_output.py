@@ -47,6 +47,8 @@ class StepOutputMixin(SchedulerState):
             return
         step.cached_from.setdefault(rid, start)
         kv.cache_blocks(req, end)
+        if not self.policy.may_displace:
+            return  # (the owners matter only where a later admission may displace them)
         blocks = kv.req_to_blocks[rid]
         # (not the blocks a sliding window already returned: kv.num_dead_blocks)
         for b in blocks[max(start, kv.num_dead_blocks.get(rid, 0)):kv.num_cached_blocks[rid]]:
