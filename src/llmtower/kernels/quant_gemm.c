@@ -328,8 +328,8 @@ transpose16(const uint8_t *p0, int64_t row_bytes, __m512i P[4]) {
 
 /* Weight rows w .. w + 15 (row_bytes apart) times MR rows of x: y[r * ldy + 0 .. 15]. */
 static inline __attribute__((always_inline)) void
-cols16_fast(const int FMT, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t k,
-            const int MR, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+cols16_fast(const int FMT, const int PREFETCH, const uint8_t *w, int64_t row_bytes, int64_t nb,
+            int64_t k, const int MR, const int8_t *qa, const float *da, const int32_t *ns, float *y,
             int64_t ldy) {
     const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : 34;
     const int off = FMT == F_Q4_0 ? 8 : 128;
@@ -339,8 +339,14 @@ cols16_fast(const int FMT, const uint8_t *w, int64_t row_bytes, int64_t nb, int6
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32((int)row_bytes));
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    /* the next 16 rows (contiguous) are fetched while these are read: the column-wise reads
+     * of 16 rows are not a pattern the hardware prefetcher follows well */
+    const uint8_t *next = w + 16 * row_bytes;
+    const int64_t ahead = (16 * row_bytes + nb - 1) / nb; /* bytes of it per block */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
+        if (PREFETCH)
+            for (int64_t o = 0; o < ahead; o += 64) _mm_prefetch((const char *)(next + b * ahead + o), _MM_HINT_T0);
         /* the 16 rows' float16 scales: the low halves of a dword gather */
         const __m512i sh = _mm512_i32gather_epi32(rowoff, (const void *)blk, 1);
         const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sh));
@@ -374,22 +380,23 @@ cols16_fast(const int FMT, const uint8_t *w, int64_t row_bytes, int64_t nb, int6
     for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-#define COLS16(FMT)                                                                              \
+#define COLS16(FMT, PF)                                                                            \
     switch (mr) {                                                                                \
-    case 1: cols16_fast(FMT, w, row_bytes, nb, k, 1, qa, da, ns, y, ldy); break;                 \
-    case 2: cols16_fast(FMT, w, row_bytes, nb, k, 2, qa, da, ns, y, ldy); break;                 \
-    case 4: cols16_fast(FMT, w, row_bytes, nb, k, 4, qa, da, ns, y, ldy); break;                 \
-    default: cols16_fast(FMT, w, row_bytes, nb, k, 8, qa, da, ns, y, ldy); break;                \
+    case 1: cols16_fast(FMT, PF, w, row_bytes, nb, k, 1, qa, da, ns, y, ldy); break;                 \
+    case 2: cols16_fast(FMT, PF, w, row_bytes, nb, k, 2, qa, da, ns, y, ldy); break;                 \
+    case 4: cols16_fast(FMT, PF, w, row_bytes, nb, k, 4, qa, da, ns, y, ldy); break;                 \
+    default: cols16_fast(FMT, PF, w, row_bytes, nb, k, 8, qa, da, ns, y, ldy); break;                \
     }
 
 /* mr: 1, 2, 4 or 8 (constant row counts: the accumulators stay in registers) */
-static void cols16_any(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t k,
-                       int mr, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+static void cols16_any(int fmt, int prefetch, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                       int64_t k, int mr, const int8_t *qa, const float *da, const int32_t *ns, float *y,
                        int64_t ldy) {
+    /* the last group of a thread's share prefetches nothing (it may be the matrix's end) */
     if (fmt == F_Q4_0) {
-        COLS16(F_Q4_0)
+        if (prefetch) COLS16(F_Q4_0, 1) else COLS16(F_Q4_0, 0)
     } else {
-        COLS16(F_Q8_0)
+        if (prefetch) COLS16(F_Q8_0, 1) else COLS16(F_Q8_0, 0)
     }
 }
 #endif
@@ -411,11 +418,12 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
     {
         const int64_t t = kernel_thread(), team = kernel_team();
 #if QG_FAST
-        for (int64_t g = n16 / 16 * t / team; g < n16 / 16 * (t + 1) / team; g++)
+        const int64_t g1 = n16 / 16 * (t + 1) / team;
+        for (int64_t g = n16 / 16 * t / team; g < g1; g++)
             for (int64_t r0 = 0; r0 < m;) {
                 const int64_t left = m - r0;
                 const int mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                cols16_any(fmt, w + 16 * g * row_bytes, row_bytes, nb, k, mr, qa + r0 * k,
+                cols16_any(fmt, g + 1 < g1 && r0 == 0, w + 16 * g * row_bytes, row_bytes, nb, k, mr, qa + r0 * k,
                            da + r0 * nbk, ns + 8 * r0 * nbk, y + r0 * ldy + 16 * g, ldy);
                 r0 += mr;
             }
