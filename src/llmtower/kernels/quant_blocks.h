@@ -17,6 +17,10 @@
 
 int64_t quant_block_values(int fmt);
 int64_t quant_block_bytes(int fmt);
+#if QG_FAST
+/* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
+void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);
+#endif
 
 enum { F_Q4_0 = 2, F_Q4_1 = 3, F_Q8_0 = 8, F_Q4_K = 12, F_Q5_K = 13, F_Q6_K = 14 };
 

@@ -129,6 +129,42 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, i
     return 0;
 }
 
+#if QG_FAST
+/* One row of Q4_0 / Q4_1 / Q8_0 blocks as bfloat16: dequant_row's float32 values (the same
+ * operations, vectorized) rounded to nearest even. */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row_bf16_32(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
+    const int64_t bb = quant_block_bytes(fmt);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const __m512 d = _mm512_set1_ps(half_to_float(blk));
+        __m512 y0, y1;
+        if (fmt == F_Q8_0) {
+            y0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))), d);
+            y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))), d);
+        } else {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (fmt == F_Q4_1 ? 4 : 2)));
+            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(qs, m4));
+            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), m4));
+            if (fmt == F_Q4_0) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+            }
+            y0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+            y1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+            if (fmt == F_Q4_1) {
+                const __m512 mn = _mm512_set1_ps(half_to_float(blk + 2));
+                y0 = _mm512_add_ps(y0, mn);
+                y1 = _mm512_add_ps(y1, mn);
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(o + 32 * b), _mm512_cvtepi32_epi16(f32x16_to_bf16(y0)));
+        _mm256_storeu_si256((__m256i *)(o + 32 * b + 16), _mm512_cvtepi32_epi16(f32x16_to_bf16(y1)));
+    }
+}
+#endif
+
 /* quant_dequant's rows rounded to bfloat16 (to nearest even, as torch's .to(torch.bfloat16)),
  * through one float32 row per thread: a prefill product needs the matrix in bfloat16, and a
  * float32 copy of it first would double the memory it takes and the bytes written. */
@@ -147,9 +183,17 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nrows; i++) {
+            uint16_t *o = out + i * k;
+#if QG_FAST
+            if (bv == 256) {
+                kq_dequant_row_bf16(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, o);
+                continue;
+            }
+            dequant_row_bf16_32(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, o);
+            continue;
+#endif
             if (!tmp) continue;
             dequant_row(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, bv, bb, tmp);
-            uint16_t *o = out + i * k;
             int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
             for (; j + 16 <= k; j += 16)

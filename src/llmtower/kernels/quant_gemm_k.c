@@ -25,6 +25,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "bf16.h"
 #include "quant_blocks.h"
 #include "threads.h"
 
@@ -229,6 +230,54 @@ krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int 
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(s);
+    }
+}
+
+/* 16 float32 values rounded to bfloat16 and stored. */
+static inline void store_bf16x16(uint16_t *o, __m512 v) {
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(f32x16_to_bf16(v)));
+}
+
+/* One row of K-format super-blocks as bfloat16 (a prefill slab, quant_dequant_bf16): gguf's
+ * float32 values, the same products and differences as dequant_row (no fused multiply-add),
+ * rounded to nearest even; 16 values per vector instead of one. */
+__attribute__((optimize("fp-contract=off")))
+void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
+    __m512i idx[4];
+    for (int g = 0; g < 4; g++) idx[g] = _mm512_loadu_si512(KQ_LANE_SCALE[fmt == F_Q6_K][g]);
+    const int64_t bb = quant_block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        kq_block w;
+        float s[16], m[16]; /* scale and minimum of each 16 values */
+        if (fmt == F_Q6_K) {
+            kq_unpack_q6k(blk, idx, &w);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int i = 0; i < 16; i++) { s[i] = w.d * (float)sc[i]; m[i] = 0.0f; }
+        } else {
+            kq_unpack_q45k(blk, fmt == F_Q5_K, idx, &w);
+            uint32_t sc4[2], mn4[2];
+            k_scales_mins(blk + 4, sc4, mn4);
+            const uint8_t *sc = (const uint8_t *)sc4, *mn = (const uint8_t *)mn4;
+            for (int i = 0; i < 16; i++) {
+                s[i] = w.d * (float)sc[i / 2];
+                m[i] = w.c * (float)mn[i / 2];
+            }
+        }
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 4; h++) {
+                const int i = 4 * g + h; /* values 16i .. 16i+15 */
+                __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.u[g], h));
+                __m512 y;
+                if (fmt == F_Q6_K) {
+                    u = _mm512_sub_epi32(u, _mm512_set1_epi32(32));
+                    y = _mm512_mul_ps(_mm512_set1_ps(s[i]), _mm512_cvtepi32_ps(u));
+                } else {
+                    y = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s[i]), _mm512_cvtepi32_ps(u)),
+                                      _mm512_set1_ps(m[i]));
+                }
+                store_bf16x16(o + 256 * b + 16 * i, y);
+            }
     }
 }
 
