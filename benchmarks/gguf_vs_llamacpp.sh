@@ -37,7 +37,7 @@ fi
 
 bench_ours() {  # file n_prompts -> "tok_s peak_gb"
   "$PY" benchmarks/gguf_offline.py --model "$1" --num-prompts "$2" --input 144 --output 64 \
-    --threads "$THREADS" --quantization gguf 2>/dev/null | tail -1 |
+    --threads "$THREADS" --quantization gguf --runs "${RUNS:-2}" 2>/dev/null | tail -1 |
     "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(d["tok_s"], d["peak_rss_gb"])'
 }
 
