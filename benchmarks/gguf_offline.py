@@ -25,6 +25,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the prompts alone (1 output token each): prefill_s, and "
+                         "the decode steps' tok/s from the rest")
     args = ap.parse_args()
 
     import torch
@@ -35,7 +39,9 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype,
               num_threads=args.threads, max_model_len=args.input + args.output + 16,
-              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+              **({} if args.max_num_batched_tokens is None
+                 else {"max_num_batched_tokens": args.max_num_batched_tokens}))
     start_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine_core.executor.runner.model.config.vocab_size
@@ -45,18 +51,28 @@ def main() -> None:
                         ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    best = 0.0
+    phases = {}
+    if args.phases:
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                     use_tqdm=False)
+        phases["prefill_s"] = round(time.perf_counter() - t, 3)
+    best, best_dt = 0.0, 0.0
     for _ in range(args.runs):
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        best = max(best, n_out / dt)
+        if n_out / dt > best:
+            best, best_dt = n_out / dt, dt
+    if args.phases:
+        steps = args.output - 1
+        phases["decode_step_ms"] = round(1000 * (best_dt - phases["prefill_s"]) / steps, 1)
     _, peak = rss_bytes()
     print(json.dumps({"tok_s": round(best, 2), "start_s": round(start_s, 2),
                       "peak_rss_gb": round(peak / 1e9, 3), "file_gb": round(
                           os.path.getsize(args.model) / 1e9, 3) if os.path.isfile(args.model) else None,
-                      "load": os.getloadavg()[0]}))
+                      "load": os.getloadavg()[0], **phases}))
 
 
 if __name__ == "__main__":

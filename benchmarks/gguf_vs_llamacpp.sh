@@ -12,7 +12,9 @@
 # output tok/s is B x TG / T of its table, prefill included as in ours. The load average
 # is printed with each row: compare ratios from one run. $LLAMA_CPP_ARGS adds flags to
 # llama.cpp's command (e.g. "-nr": without weight repacking, where its AMX path crashes, as
-# on this development VM).
+# on a GGML_NATIVE build on this development VM). $REPEAT (default 1) runs the whole table
+# that many times, the two engines interleaved cell by cell (a busy machine's load moves:
+# each ratio compares runs seconds apart), then prints each cell's ratios and their median.
 set -euo pipefail
 ANCHORS=${ANCHORS:-$HOME/anchors}
 LLAMA_CPP=${LLAMA_CPP:-$ANCHORS/llama.cpp/build/bin}
@@ -35,7 +37,7 @@ fi
 
 bench_ours() {  # file n_prompts -> "tok_s peak_gb"
   "$PY" benchmarks/gguf_offline.py --model "$1" --num-prompts "$2" --input 144 --output 64 \
-    --threads "$THREADS" --quantization gguf 2>/dev/null | tail -1 |
+    --threads "$THREADS" --quantization gguf --runs "${RUNS:-2}" 2>/dev/null | tail -1 |
     "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(d["tok_s"], d["peak_rss_gb"])'
 }
 
@@ -53,8 +55,11 @@ rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(
 print(round(b * tg / t, 2), round(rss * 1024 / 1e9, 3))'
 }
 
+REPEAT=${REPEAT:-1}
+declare -A ratios
 printf '%-28s %-8s %-22s %-22s %-6s %s\n' "file (size)" "prompts" "llmtower tok/s, RSS" \
   "llama.cpp tok/s, RSS" "ratio" "load"
+for ((rep = 0; rep < REPEAT; rep++)); do
 for f in "${files[@]}"; do
   size=$(du -h "$f" | cut -f1)
   for n in 1 16; do
@@ -62,6 +67,7 @@ for f in "${files[@]}"; do
     if [ -x "$LLAMA_CPP/llama-batched-bench" ]; then
       read -r cpp_t cpp_r < <(bench_llamacpp "$f" "$n")
       ratio=$("$PY" -c "print(f'{$ours_t / $cpp_t:.2f}x')")
+      ratios["$(basename "$f") $n"]+="${ratio%x} "
       cpp="$cpp_t, ${cpp_r} GB"
     else
       cpp="(not built)"; ratio="-"
@@ -70,3 +76,11 @@ for f in "${files[@]}"; do
       "$ours_t, ${ours_r} GB" "$cpp" "$ratio" "$(cut -d' ' -f1 /proc/loadavg)"
   done
 done
+done
+if [ "$REPEAT" -gt 1 ]; then
+  echo
+  for cell in "${!ratios[@]}"; do
+    echo "$cell: ratios ${ratios[$cell]}-> median $("$PY" -c "import statistics, sys; \
+print(f'{statistics.median(map(float, sys.argv[1:])):.2f}x')" ${ratios[$cell]})"
+  done | sort
+fi

@@ -62,3 +62,11 @@ def test_a_sliding_window_does_not_cap_max_model_len(tmp_path_factory):
     out = llm.generate([list(range(3, 73))], SamplingParams(max_tokens=2, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_token_budget_defaults_smaller_for_gguf_blocks_unless_given():
+    # GGUF block weights: a smaller prefill chunk keeps 16 prompts inside the file + KV + 0.6 GB
+    # footprint; a budget the user gives is kept either way.
+    assert EngineArgs().max_num_batched_tokens == 2048
+    assert EngineArgs(quantization="gguf").max_num_batched_tokens == 512
+    assert EngineArgs(quantization="gguf", max_num_batched_tokens=4096).max_num_batched_tokens == 4096

@@ -1,6 +1,7 @@
-"""The block-quantized kernels (kernels/quant_gemm.c): dequantized weights equal gguf's reference
-dequantization exactly, and products equal the float product of those weights up to the int8
-rounding of the activations, on the fast and the portable code alike."""
+"""The block-quantized kernels (kernels/quant_gemm.c, quant_gemm_k.c): dequantized weights equal
+gguf's reference dequantization exactly, and products equal the float product of those weights
+up to the int8 rounding of the activations (per 32 values, or per 256 for the K formats), on
+the fast and the portable code alike."""
 from __future__ import annotations
 
 import gguf
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from llmtower.kernels import ops
-from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, block_shape, from_numpy
+from llmtower.kernels.quant_gemm import (BLOCK_FORMATS, K_FORMATS, BlockWeight, block_shape,
+                                         from_numpy, quantize_activations)
 
 Q = gguf.GGMLQuantizationType
 FORMATS = [Q(f) for f in BLOCK_FORMATS]
@@ -46,7 +48,7 @@ def test_dequantize_equals_gguf_reference_exactly(qtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("m", [1, 6, 16])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_product_matches_float_product_of_dequantized(qtype, m, path):
     n, k = 40, 768
@@ -56,13 +58,30 @@ def test_product_matches_float_product_of_dequantized(qtype, m, path):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     got = w(x).double()
     want = x.double() @ wf.T
-    # Each activation moves by at most half an int8 step of its block (max|x| / 254): bound the
-    # product's error by that times the weights' absolute sums, per block.
-    step = x.view(m, k // 32, 32).abs().amax(-1).double() / 254
-    bound = (step.repeat_interleave(32, dim=1) @ wf.abs().T) * 1.01 + 1e-4
+    # Each activation moves by at most half an int8 step of its block (max|x| / 254; blocks of
+    # 256 for the K formats, 32 for the others): bound the product's error by that times the
+    # weights' absolute sums, per block.
+    blk = 256 if int(qtype) in K_FORMATS else 32
+    step = x.view(m, k // blk, blk).abs().amax(-1).double() / 254
+    bound = (step.repeat_interleave(blk, dim=1) @ wf.abs().T) * 1.01 + 1e-4
     assert ((got - want).abs() <= bound).all()
     # And not just inside the bound: far closer than the weights' own size.
     assert (got - want).abs().mean() < 0.05 * want.abs().mean()
+
+
+def test_k_activations_are_int8_per_256_with_sums_of_16():
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)) * 3
+    x[1, :256] = 0.0  # an all-zero block: scale 0, values 0
+    f = quantize_activations(x).per256()
+    amax = x.view(3, 2, 256).abs().amax(-1)
+    torch.testing.assert_close(f.da.view(3, 2), amax / 127, rtol=0, atol=0)
+    safe = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    want = torch.round(x.view(3, 2, 256) * safe.unsqueeze(-1)).view(3, 512)  # half to even
+    assert torch.equal(f.qa.view(3, 512).float(), want)
+    assert torch.equal(f.bs.view(3, 32).int(), want.view(3, 32, 16).sum(-1).int())
+    assert int(f.qa.abs().max()) <= 127
+    with pytest.raises(ValueError, match="multiples of 256"):
+        quantize_activations(torch.zeros(1, 96)).per256()
 
 
 def test_fast_and_portable_agree():

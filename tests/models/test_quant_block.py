@@ -57,7 +57,8 @@ def test_a_slab_is_a_view_of_the_rows():
         w.rows(5, 11)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda q: q.name)
 def test_bfloat16_dequantization_is_the_float32_values_rounded(qtype):
     if not ops.capabilities().can_run("quant_gemm"):
         pytest.skip(ops.capabilities().why_not("quant_gemm"))

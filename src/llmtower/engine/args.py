@@ -23,11 +23,17 @@ if TYPE_CHECKING:
     from llmtower.structured_output.manager import StructuredOutputsConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The default token budget of a step, and under --quantization gguf: there every prefill chunk
+# dequantizes the weights a slab at a time, but its activations (float32 gate/up rows of a
+# 1B model: 134 MB at 2048 tokens, 34 MB at 512) would put 16 prompts of a 1B Q4_K_M file
+# 0.2 GB over the issue-26 footprint (file + KV cache + 0.6 GB).
+DEFAULT_TOKEN_BUDGET = 2048
+GGUF_TOKEN_BUDGET = 512
 
 
 # Lowest value of each numeric setting (the dataclass checks them itself: LLM(...) and the
 # config file do not go through argparse).
-_MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 0,
+_MINIMUM = {"block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 0, "max_model_len": 0,
             "num_gpu_blocks": 0, "num_threads": 0, "max_num_partial_prefills": 1,
             "long_prefill_token_threshold": 0, "max_num_queued_reqs": 0,
             "max_num_queued_tokens": 0, "max_bypass": 0, "data_parallel_size": 1,
@@ -127,8 +133,9 @@ class EngineArgs:
                                      "prefix cache at start, before serving")
     preload_pin: bool = _f(False, "serve: pin the --preload-prompts blocks against eviction")
     max_num_seqs: int = _f(256, "most requests running at once")
-    max_num_batched_tokens: int = _f(2048, "token budget of one forward pass, e.g. 2048 or 2K",
-                                     type=parse_token_count)
+    max_num_batched_tokens: int = _f(0, "token budget of one forward pass, e.g. 2048 or 2K "
+                                     f"(0: {DEFAULT_TOKEN_BUDGET}, or {GGUF_TOKEN_BUDGET} under "
+                                     "--quantization gguf)", type=parse_token_count)
     policy: str = _f("fcfs", "waiting-queue policy: fcfs, priority, sjf (shortest predicted "
                      "job first) or fair (per-tenant Virtual Token Counter)",
                      choices=["fcfs", "priority", "sjf", "fair"], aliases=["--scheduling-policy"])
@@ -275,6 +282,9 @@ class EngineArgs:
         parse_swap_space(self.swap_space)
         self.generation_overrides()  # bad JSON or keys fail here, before the model loads
         _check_field_values(self)
+        if self.max_num_batched_tokens == 0:
+            self.max_num_batched_tokens = (GGUF_TOKEN_BUDGET if self.quantization == "gguf"
+                                           else DEFAULT_TOKEN_BUDGET)
         if self.swap_space_dtype == "int8" and self.preemption_mode != "swap":
             raise ValueError("--swap-space-dtype int8 compresses swapped-out KV blocks, but "
                              f"--preemption-mode is {self.preemption_mode!r}, which never swaps: "

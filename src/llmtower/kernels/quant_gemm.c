@@ -1,24 +1,23 @@
-/* Products by weights kept in GGUF's block formats, read in place (no repacking), and their
- * exact dequantization.
+/* Products by weights kept in GGUF's block formats of 32 values, read in place (no repacking),
+ * and every block format's exact dequantization.
  *
  * Formats (ggml type ids): Q4_0 (2), Q4_1 (3), Q8_0 (8) in blocks of 32 values; Q4_K (12),
- * Q5_K (13), Q6_K (14) in super-blocks of 256. A weight row is a run of blocks, rows one after
- * another (the file's layout).
+ * Q5_K (13), Q6_K (14) in super-blocks of 256 (their products: quant_gemm_k.c). A weight row is
+ * a run of blocks, rows one after another (the file's layout).
  *
- * Every format is read as 32-value sub-blocks of small unsigned integers u with a float scale
- * per 16 values and an offset: w = s * (u - o) (Q4_0: o = 8, Q8_0: 128 by flipping the sign
- * bit, Q6_K: 32) or w = s * u - m (Q4_1, Q4_K, Q5_K: a float minimum). The activations are
- * quantized once per call to int8 per 32 values (a = da * qa, da = max|x| / 127), so a
- * sub-block's dot product is an integer one (vpdpbusd: unsigned weight bytes times signed
- * activation bytes, four products per int32 lane; 8 lanes: lanes 0-3 the first 16 values,
- * 4-7 the second), corrected by the activations' sums:
+ * A block is 32 small unsigned integers u with a float scale and an offset: w = s * (u - o)
+ * (Q4_0: o = 8, Q8_0: 128 by flipping the sign bit) or w = s * u - m (Q4_1: a float minimum).
+ * The activations are quantized once per call to int8 per 32 values (a = da * qa, da = max|x|
+ * / 127), so a block's dot product is an integer one (vpdpbusd: unsigned weight bytes times
+ * signed activation bytes, four products per int32 lane; 8 lanes: lanes 0-3 the first 16
+ * values, 4-7 the second), corrected by the activations' sums:
  *
- *   sum w a = da * (s_lo * (u_lo . qa_lo - o * sum qa_lo) + s_hi * (...))      (offset o)
- *   sum w a = da * s * (u . qa) - m * da * sum qa                              (minimum m)
+ *   sum w a = da * s * (u . qa - o * sum qa)       (offset o)
+ *   sum w a = da * s * (u . qa) - m * da * sum qa  (minimum m)
  *
  * The "- o * sum qa" term enters the integer lanes before the dot (lane 0 and lane 4 start at
- * -o * sum of their half), so it costs one shift per sub-block. Rows of x are taken up to
- * QG_MR at a time, so a weight sub-block is decoded once for all of them.
+ * -o * sum of their half), so it costs one shift per block. Rows of x are taken up to QG_MR at
+ * a time, so a weight block is decoded once for all of them.
  *
  * quant_dequant gives the float32 values gguf's reference dequantization gives, bit for bit:
  * the same operations in the same order, without fused multiply-adds (the function is built
@@ -32,17 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16.h"
+#include "quant_blocks.h"
 #include "threads.h"
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
-#include <immintrin.h>
-#define QG_FAST 1
-#else
-#define QG_FAST 0
-#endif
 
 #define QG_MR 4 /* rows of x per pass over a weight row */
-
-enum { F_Q4_0 = 2, F_Q4_1 = 3, F_Q8_0 = 8, F_Q4_K = 12, F_Q5_K = 13, F_Q6_K = 14 };
 
 int quant_gemm_fast(void) { return QG_FAST; }
 
@@ -64,108 +56,6 @@ int64_t quant_block_bytes(int fmt) {
     case F_Q5_K: return 176;
     case F_Q6_K: return 210;
     default: return 0;
-    }
-}
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if QG_FAST
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
-static inline void k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *mn = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
-
-/* ------------------------------------------------------------------ decoding, portable */
-
-/* Sub-block `sb` (32 values) of the block at `blk`: its unsigned values u[32], the scales of
- * its two halves, its integer offset (o) and its float minimum (m): w = s * (u - o) - m. */
-typedef struct {
-    uint8_t u[32];
-    float s[2];
-    int o;
-    float m;
-} subblock;
-
-static void decode_sub(int fmt, const uint8_t *blk, int sb, subblock *r) {
-    r->o = 0;
-    r->m = 0.0f;
-    switch (fmt) {
-    case F_Q4_0: case F_Q4_1: {
-        const int has_min = fmt == F_Q4_1;
-        const uint8_t *qs = blk + (has_min ? 4 : 2);
-        for (int i = 0; i < 16; i++) {
-            r->u[i] = qs[i] & 0xF;
-            r->u[i + 16] = qs[i] >> 4;
-        }
-        r->s[0] = r->s[1] = half_to_float(blk);
-        if (has_min) r->m = -half_to_float(blk + 2);
-        else r->o = 8;
-        break;
-    }
-    case F_Q8_0:
-        for (int i = 0; i < 32; i++) r->u[i] = blk[2 + i] ^ 0x80;
-        r->s[0] = r->s[1] = half_to_float(blk);
-        r->o = 128;
-        break;
-    case F_Q4_K: case F_Q5_K: {
-        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-        uint8_t sc, mn;
-        k_scale_min(blk + 4, sb, &sc, &mn);
-        const int five = fmt == F_Q5_K;
-        const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (sb / 2);
-        const int shift = (sb & 1) * 4;
-        for (int i = 0; i < 32; i++) {
-            int v = (qs[i] >> shift) & 0xF;
-            if (five) v |= ((blk[16 + i] >> sb) & 1) << 4;
-            r->u[i] = (uint8_t)v;
-        }
-        r->s[0] = r->s[1] = d * (float)sc;
-        r->m = dmin * (float)mn;
-        break;
-    }
-    case F_Q6_K: {
-        const float d = half_to_float(blk + 208);
-        const int c = sb / 4, t = sb % 4;
-        const uint8_t *ql = blk + 64 * c + (t & 1) * 32, *qh = blk + 128 + 32 * c;
-        const int lshift = (t >> 1) * 4, hshift = 2 * t;
-        for (int i = 0; i < 32; i++)
-            r->u[i] = (uint8_t)(((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4));
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        r->s[0] = d * (float)sc[2 * sb];
-        r->s[1] = d * (float)sc[2 * sb + 1];
-        r->o = 32;
-        break;
-    }
     }
 }
 
@@ -239,6 +129,42 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, i
     return 0;
 }
 
+#if QG_FAST
+/* One row of Q4_0 / Q4_1 / Q8_0 blocks as bfloat16: dequant_row's float32 values (the same
+ * operations, vectorized) rounded to nearest even. */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row_bf16_32(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
+    const int64_t bb = quant_block_bytes(fmt);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const __m512 d = _mm512_set1_ps(half_to_float(blk));
+        __m512 y0, y1;
+        if (fmt == F_Q8_0) {
+            y0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))), d);
+            y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))), d);
+        } else {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (fmt == F_Q4_1 ? 4 : 2)));
+            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(qs, m4));
+            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), m4));
+            if (fmt == F_Q4_0) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+            }
+            y0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+            y1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+            if (fmt == F_Q4_1) {
+                const __m512 mn = _mm512_set1_ps(half_to_float(blk + 2));
+                y0 = _mm512_add_ps(y0, mn);
+                y1 = _mm512_add_ps(y1, mn);
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(o + 32 * b), _mm512_cvtepi32_epi16(f32x16_to_bf16(y0)));
+        _mm256_storeu_si256((__m256i *)(o + 32 * b + 16), _mm512_cvtepi32_epi16(f32x16_to_bf16(y1)));
+    }
+}
+#endif
+
 /* quant_dequant's rows rounded to bfloat16 (to nearest even, as torch's .to(torch.bfloat16)),
  * through one float32 row per thread: a prefill product needs the matrix in bfloat16, and a
  * float32 copy of it first would double the memory it takes and the bytes written. */
@@ -257,9 +183,17 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nrows; i++) {
+            uint16_t *o = out + i * k;
+#if QG_FAST
+            if (bv == 256) {
+                kq_dequant_row_bf16(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, o);
+                continue;
+            }
+            dequant_row_bf16_32(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, o);
+            continue;
+#endif
             if (!tmp) continue;
             dequant_row(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, bv, bb, tmp);
-            uint16_t *o = out + i * k;
             int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
             for (; j + 16 <= k; j += 16)
@@ -360,7 +294,6 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
     float maccs[8];
     for (int r = 0; r < NR * MR; r++) { accs[r] = _mm256_setzero_ps(); maccs[r] = 0.0f; }
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i m4y = _mm256_set1_epi8(0x0F), m3y = _mm256_set1_epi8(0x03);
     switch (fmt) {
     case F_Q4_0: case F_Q8_0:
         for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
@@ -389,60 +322,6 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
             for (int r = 0; r < MR; r++) macc[r] += mn * fa[r * nbk + b];
         }
         break;
-    case F_Q4_K: case F_Q5_K: {
-        const int five = fmt == F_Q5_K;
-        const int64_t bb = five ? 176 : 144;
-        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
-            const uint8_t *blk = w0 + jr * row_bytes + b * bb;
-            float *macc = maccs + jr * MR;
-            const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * j));
-                for (int h = 0; h < 2; h++) {
-                    const int sb = 2 * j + h;
-                    uint8_t sc, mn;
-                    k_scale_min(blk + 4, sb, &sc, &mn);
-                    __m256i u = h ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4y) : _mm256_and_si256(qs, m4y);
-                    if (five) {
-                        /* bit sb of each qh byte -> 16 */
-                        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, sb), _mm256_set1_epi8(1));
-                        u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
-                    }
-                    const __m256 sv = _mm256_set1_ps(d * (float)sc);
-                    const float m = dmin * (float)mn;
-                    const int64_t ab = 8 * b + sb;
-                    SUB_DOT(MR, u, sv, 0, ab)
-                    for (int r = 0; r < MR; r++) macc[r] -= m * fa[r * nbk + ab];
-                }
-            }
-        }
-        break;
-    }
-    case F_Q6_K:
-        for (int64_t b = 0; b < nb; b++) for (int jr = 0; jr < NR; jr++) {
-            const uint8_t *blk = w0 + jr * row_bytes + b * 210;
-            const float d = half_to_float(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int c = 0; c < 2; c++) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-                for (int t = 0; t < 4; t++) {
-                    const __m256i ql = (t & 1) ? ql1 : ql0;
-                    const __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4y)
-                                                : _mm256_and_si256(ql, m4y);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m3y);
-                    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                    const int sb = 4 * c + t;
-                    const __m256 sv = _mm256_set_m128(_mm_set1_ps(d * (float)sc[2 * sb + 1]),
-                                                      _mm_set1_ps(d * (float)sc[2 * sb]));
-                    const int64_t ab = 8 * b + sb;
-                    SUB_DOT(MR, u, sv, 5, ab)
-                }
-            }
-        }
-        break;
     }
     for (int r = 0; r < NR * MR; r++) out[r] = hsum8(accs[r]) + maccs[r];
 }
@@ -462,25 +341,139 @@ static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int n
     default: rows_fast(fmt, wrow, row_bytes, 1, nb, k, 4, qa, da, fa, ns, out); break;
     }
 }
+
+/* Sixteen weight rows at once (Q4_0, Q8_0), read from the file's layout: the rows' blocks b
+ * are transposed in registers so that int32 lane i of a vector holds row i's values 4g ..
+ * 4g+3; one vpdpbusd against those 4 activation bytes broadcast then adds all 16 rows'
+ * products, the 16 rows' scales are one vector (a gather of their float16s), and a block's
+ * float work is one multiply-add per 16 rows instead of one per row. The transposition is
+ * shared by all rows of x (taken QG_MR16 at a time), so a small batch costs little more than
+ * one row. */
+#define QG_MR16 8
+
+/* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes. */
+static inline __attribute__((always_inline)) void
+transpose16(const uint8_t *p0, int64_t row_bytes, __m512i P[4]) {
+    __m512i A[4]; /* A[c] 128-bit lane L: row 4L + c */
+    for (int c = 0; c < 4; c++) {
+        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + c * row_bytes)));
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (4 + c) * row_bytes)), 1);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (8 + c) * row_bytes)), 2);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (12 + c) * row_bytes)), 3);
+        A[c] = a;
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
+    P[0] = _mm512_unpacklo_epi64(t0, t2);
+    P[1] = _mm512_unpackhi_epi64(t0, t2);
+    P[2] = _mm512_unpacklo_epi64(t1, t3);
+    P[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* Weight rows w .. w + 15 (row_bytes apart) times MR rows of x: y[r * ldy + 0 .. 15]. */
+static inline __attribute__((always_inline)) void
+cols16_fast(const int FMT, const int PREFETCH, const uint8_t *w, int64_t row_bytes, int64_t nb,
+            int64_t k, const int MR, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+            int64_t ldy) {
+    const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : 34;
+    const int off = FMT == F_Q4_0 ? 8 : 128;
+    __m512 acc[QG_MR16];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i rowoff = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)row_bytes));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    /* the next 16 rows (contiguous) are fetched while these are read: the column-wise reads
+     * of 16 rows are not a pattern the hardware prefetcher follows well */
+    const uint8_t *next = w + 16 * row_bytes;
+    const int64_t ahead = (16 * row_bytes + nb - 1) / nb; /* bytes of it per block */
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        if (PREFETCH)
+            for (int64_t o = 0; o < ahead; o += 64) _mm_prefetch((const char *)(next + b * ahead + o), _MM_HINT_T0);
+        /* the 16 rows' float16 scales: the low halves of a dword gather */
+        const __m512i sh = _mm512_i32gather_epi32(rowoff, (const void *)blk, 1);
+        const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sh));
+        __m512i u[8], P[4]; /* u[g]: the 16 rows' values 4g .. 4g+3 */
+        if (FMT == F_Q4_0) {
+            transpose16(blk + 2, row_bytes, P);
+            for (int v = 0; v < 4; v++) {
+                u[v] = _mm512_and_si512(P[v], m4);
+                u[4 + v] = _mm512_and_si512(_mm512_srli_epi16(P[v], 4), m4);
+            }
+        } else {
+            for (int h = 0; h < 2; h++) {
+                transpose16(blk + 2 + 16 * h, row_bytes, P);
+                for (int v = 0; v < 4; v++) u[4 * h + v] = _mm512_xor_si512(P[v], flip);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = r * nbk + b;
+            const int8_t *q = qa + 32 * i;
+            /* lanes start at -o * sum qa (ns: minus the sums of the two halves) */
+            __m512i dot = _mm512_set1_epi32((ns[8 * i] + ns[8 * i + 4]) * off);
+            for (int g = 0; g < 8; g++) {
+                int32_t q4;
+                memcpy(&q4, q + 4 * g, 4);
+                dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(q4));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, _mm512_set1_ps(da[i])),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+#define COLS16(FMT, PF)                                                                            \
+    switch (mr) {                                                                                \
+    case 1: cols16_fast(FMT, PF, w, row_bytes, nb, k, 1, qa, da, ns, y, ldy); break;                 \
+    case 2: cols16_fast(FMT, PF, w, row_bytes, nb, k, 2, qa, da, ns, y, ldy); break;                 \
+    case 4: cols16_fast(FMT, PF, w, row_bytes, nb, k, 4, qa, da, ns, y, ldy); break;                 \
+    default: cols16_fast(FMT, PF, w, row_bytes, nb, k, 8, qa, da, ns, y, ldy); break;                \
+    }
+
+/* mr: 1, 2, 4 or 8 (constant row counts: the accumulators stay in registers) */
+static void cols16_any(int fmt, int prefetch, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                       int64_t k, int mr, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+                       int64_t ldy) {
+    /* the last group of a thread's share prefetches nothing (it may be the matrix's end) */
+    if (fmt == F_Q4_0) {
+        if (prefetch) COLS16(F_Q4_0, 1) else COLS16(F_Q4_0, 0)
+    } else {
+        if (prefetch) COLS16(F_Q8_0, 1) else COLS16(F_Q8_0, 0)
+    }
+}
 #endif
 
 /* y[r * ldy + j] = sum_i x_r[i] w_j[i] for the m rows of x quantized by quant_act and the n
- * rows of w (row_bytes each). path 1: the portable code. Returns -1 for an unknown format or
- * a k the blocks do not divide. */
+ * rows of w (row_bytes each; Q4_0, Q4_1 or Q8_0). path 1: the portable code. Returns -1 for
+ * another format (the K formats: quant_gemm_k) or a k the blocks do not divide. */
 int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t m,
                const int8_t *qa, const float *da, const float *fa, const int32_t *ns, float *y,
                int64_t ldy, int nthreads, int path) {
     const int64_t bv = quant_block_values(fmt);
-    if (bv == 0 || k % bv) return -1;
+    if (bv != 32 || k % bv) return -1;
     const int64_t nb = k / bv, nbk = k / 32;
     const int fast = QG_FAST && path == 0;
+    /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (cols16), the rest one by one */
+    const int64_t n16 = fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
     (void)ns;
-    (void)fast;
 #pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
     {
         const int64_t t = kernel_thread(), team = kernel_team();
-        int64_t j0 = n * t / team;
-        const int64_t j1 = n * (t + 1) / team;
+#if QG_FAST
+        const int64_t g1 = n16 / 16 * (t + 1) / team;
+        for (int64_t g = n16 / 16 * t / team; g < g1; g++)
+            for (int64_t r0 = 0; r0 < m;) {
+                const int64_t left = m - r0;
+                const int mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                cols16_any(fmt, g + 1 < g1 && r0 == 0, w + 16 * g * row_bytes, row_bytes, nb, k, mr, qa + r0 * k,
+                           da + r0 * nbk, ns + 8 * r0 * nbk, y + r0 * ldy + 16 * g, ldy);
+                r0 += mr;
+            }
+#endif
+        int64_t j0 = n16 + (n - n16) * t / team;
+        const int64_t j1 = n16 + (n - n16) * (t + 1) / team;
         float out[8];
 #if QG_FAST
         if (fast && m == 1) { /* decode: four weight rows at a time, one row of x */

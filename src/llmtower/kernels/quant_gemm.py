@@ -2,8 +2,10 @@
 matrix in one of GGUF's block formats (the file's bytes as they are) and multiplies float rows
 by it, or gives its exact float32 values.
 
-The activations of a call are quantized to int8 once (``quantize_activations``), so a caller
-with several matrices over the same rows (q, k and v of mixed formats) pays for it once.
+The activations of a call are quantized to int8 once per form (``quantize_activations``): per
+32 values for Q4_0 / Q4_1 / Q8_0 (``quant_gemm.c``), per 256 for the K formats
+(``quant_gemm_k.c``), each on first use, so a caller with several matrices over the same rows
+(q, k and v of mixed formats) pays for each form once.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 # ggml type id -> name, for the formats the kernel reads.
 BLOCK_FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# Those in super-blocks of 256, multiplied against activations quantized per 256 values.
+K_FORMATS = frozenset({12, 13, 14})
 
 
 @functools.cache
@@ -36,6 +40,11 @@ def _lib() -> ctypes.CDLL:
     lib.quant_gemm.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64,
                                _INT, _INT]
     lib.quant_gemm.restype = _INT
+    lib.quant_act_k.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P]
+    lib.quant_act_k.restype = None
+    lib.quant_gemm_k.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT,
+                                 _INT]
+    lib.quant_gemm_k.restype = _INT
     return lib
 
 
@@ -50,35 +59,72 @@ def block_shape(fmt: int) -> tuple[int, int]:
 
 
 @dataclass
-class QuantizedActivations:
-    """Owns rows x [M, K] quantized to int8 per 32 values, with their scales and sums: what
-    ``quant_gemm`` multiplies by."""
+class Int8Blocks32:
+    """Owns rows quantized to int8 per 32 values (``quant_act``): the values ``qa``, scales
+    ``da``, scaled sums ``fa`` and the negated half-block sums ``ns`` ``quant_gemm`` starts
+    from."""
 
-    m: int
-    k: int
     qa: torch.Tensor
     da: torch.Tensor
     fa: torch.Tensor
     ns: torch.Tensor
 
 
+@dataclass
+class Int8Blocks256:
+    """Owns rows quantized to int8 per 256 values (``quant_act_k``): the values ``qa``, one
+    scale ``da`` per 256 and the sums ``bs`` of each 16 values (int16)."""
+
+    qa: torch.Tensor
+    da: torch.Tensor
+    bs: torch.Tensor
+
+
+class QuantizedActivations:
+    """Owns float rows x [M, K] and their int8 forms, each made on first use: ``per32()`` for
+    the 32-value formats, ``per256()`` for the K formats."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        if x.dtype != torch.float32:
+            x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        self.m, self.k = x.shape
+        if self.k % 32:
+            raise ValueError(f"block-quantized products need K in multiples of 32, not {self.k}")
+        self.x = x
+        self._per32: Int8Blocks32 | None = None
+        self._per256: Int8Blocks256 | None = None
+
+    def per32(self) -> Int8Blocks32:
+        if self._per32 is None:
+            m, k, nb = self.m, self.k, self.k // 32
+            f = Int8Blocks32(torch.empty(m * k, dtype=torch.int8),
+                             torch.empty(m * nb, dtype=torch.float32),
+                             torch.empty(m * nb, dtype=torch.float32),
+                             torch.empty(m * nb * 8, dtype=torch.int32))
+            _lib().quant_act(self.x.data_ptr(), m, k, self.x.stride(0), f.qa.data_ptr(),
+                             f.da.data_ptr(), f.fa.data_ptr(), f.ns.data_ptr())
+            self._per32 = f
+        return self._per32
+
+    def per256(self) -> Int8Blocks256:
+        if self._per256 is None:
+            m, k = self.m, self.k
+            if k % 256:
+                raise ValueError(f"K-format products need K in multiples of 256, not {k}")
+            f = Int8Blocks256(torch.empty(m * k, dtype=torch.int8),
+                              torch.empty(m * (k // 256), dtype=torch.float32),
+                              torch.empty(m * (k // 16), dtype=torch.int16))
+            _lib().quant_act_k(self.x.data_ptr(), m, k, self.x.stride(0), f.qa.data_ptr(),
+                               f.da.data_ptr(), f.bs.data_ptr())
+            self._per256 = f
+        return self._per256
+
+
 def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
-    """float rows [M, K] (K a multiple of 32) -> their int8 form."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    if k % 32:
-        raise ValueError(f"block-quantized products need K in multiples of 32, not {k}")
-    nb = k // 32
-    qa = torch.empty(m * k, dtype=torch.int8)
-    da = torch.empty(m * nb, dtype=torch.float32)
-    fa = torch.empty(m * nb, dtype=torch.float32)
-    ns = torch.empty(m * nb * 8, dtype=torch.int32)
-    _lib().quant_act(x.data_ptr(), m, k, x.stride(0), qa.data_ptr(), da.data_ptr(),
-                     fa.data_ptr(), ns.data_ptr())
-    return QuantizedActivations(m, k, qa, da, fa, ns)
+    """float rows [M, K] (K a multiple of 32) -> their int8 forms (made on first use)."""
+    return QuantizedActivations(x)
 
 
 class BlockWeight:
@@ -120,10 +166,18 @@ class BlockWeight:
         if act.k != self.k:
             raise ValueError(f"rows of {act.k} values cannot multiply a [{self.n}, {self.k}] "
                              "matrix")
-        rc = self._lib.quant_gemm(self.fmt, self.data.data_ptr(), self.row_bytes, self.n, self.k,
-                                  act.m, act.qa.data_ptr(), act.da.data_ptr(), act.fa.data_ptr(),
-                                  act.ns.data_ptr(), out.data_ptr(), out.stride(0), threads,
-                                  self.path)
+        if self.fmt in K_FORMATS:
+            f = act.per256()
+            rc = self._lib.quant_gemm_k(self.fmt, self.data.data_ptr(), self.row_bytes, self.n,
+                                        self.k, act.m, f.qa.data_ptr(), f.da.data_ptr(),
+                                        f.bs.data_ptr(), out.data_ptr(), out.stride(0), threads,
+                                        self.path)
+        else:
+            g = act.per32()
+            rc = self._lib.quant_gemm(self.fmt, self.data.data_ptr(), self.row_bytes, self.n,
+                                      self.k, act.m, g.qa.data_ptr(), g.da.data_ptr(),
+                                      g.fa.data_ptr(), g.ns.data_ptr(), out.data_ptr(),
+                                      out.stride(0), threads, self.path)
         if rc:
             raise RuntimeError(f"quant_gemm refused format {self.fmt} [{self.n}, {self.k}]")
 

@@ -1,0 +1,129 @@
+/* GGUF's block formats as the block kernels read them (quant_gemm.c, quant_gemm_k.c): the ggml
+ * type ids, the float16 scales, the K formats' packed 6-bit scales and a portable decoder of one
+ * 32-value sub-block (w = s * (u - o) - m). QG_FAST: whether the AVX512_VNNI code is built. */
+#ifndef LLMTOWER_QUANT_BLOCKS_H
+#define LLMTOWER_QUANT_BLOCKS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "bf16.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_FAST 1
+#else
+#define QG_FAST 0
+#endif
+
+int64_t quant_block_values(int fmt);
+int64_t quant_block_bytes(int fmt);
+#if QG_FAST
+/* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
+void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);
+#endif
+
+enum { F_Q4_0 = 2, F_Q4_1 = 3, F_Q8_0 = 8, F_Q4_K = 12, F_Q5_K = 13, F_Q6_K = 14 };
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if QG_FAST
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
+static inline void k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* ------------------------------------------------------------------ decoding, portable */
+
+/* Sub-block `sb` (32 values) of the block at `blk`: its unsigned values u[32], the scales of
+ * its two halves, its integer offset (o) and its float minimum (m): w = s * (u - o) - m. */
+typedef struct {
+    uint8_t u[32];
+    float s[2];
+    int o;
+    float m;
+} subblock;
+
+static inline void decode_sub(int fmt, const uint8_t *blk, int sb, subblock *r) {
+    r->o = 0;
+    r->m = 0.0f;
+    switch (fmt) {
+    case F_Q4_0: case F_Q4_1: {
+        const int has_min = fmt == F_Q4_1;
+        const uint8_t *qs = blk + (has_min ? 4 : 2);
+        for (int i = 0; i < 16; i++) {
+            r->u[i] = qs[i] & 0xF;
+            r->u[i + 16] = qs[i] >> 4;
+        }
+        r->s[0] = r->s[1] = half_to_float(blk);
+        if (has_min) r->m = -half_to_float(blk + 2);
+        else r->o = 8;
+        break;
+    }
+    case F_Q8_0:
+        for (int i = 0; i < 32; i++) r->u[i] = blk[2 + i] ^ 0x80;
+        r->s[0] = r->s[1] = half_to_float(blk);
+        r->o = 128;
+        break;
+    case F_Q4_K: case F_Q5_K: {
+        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        uint8_t sc, mn;
+        k_scale_min(blk + 4, sb, &sc, &mn);
+        const int five = fmt == F_Q5_K;
+        const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (sb / 2);
+        const int shift = (sb & 1) * 4;
+        for (int i = 0; i < 32; i++) {
+            int v = (qs[i] >> shift) & 0xF;
+            if (five) v |= ((blk[16 + i] >> sb) & 1) << 4;
+            r->u[i] = (uint8_t)v;
+        }
+        r->s[0] = r->s[1] = d * (float)sc;
+        r->m = dmin * (float)mn;
+        break;
+    }
+    case F_Q6_K: {
+        const float d = half_to_float(blk + 208);
+        const int c = sb / 4, t = sb % 4;
+        const uint8_t *ql = blk + 64 * c + (t & 1) * 32, *qh = blk + 128 + 32 * c;
+        const int lshift = (t >> 1) * 4, hshift = 2 * t;
+        for (int i = 0; i < 32; i++)
+            r->u[i] = (uint8_t)(((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4));
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        r->s[0] = d * (float)sc[2 * sb];
+        r->s[1] = d * (float)sc[2 * sb + 1];
+        r->o = 32;
+        break;
+    }
+    }
+}
+
+#endif

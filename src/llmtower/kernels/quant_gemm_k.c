@@ -1,0 +1,339 @@
+/* Products by weights in GGUF's K formats (Q4_K, Q5_K, Q6_K: super-blocks of 256 values), read
+ * in place, against activations quantized to int8 per 256 values.
+ *
+ * The activations of a row are quantized once per call (quant_act_k): per 256 values one float
+ * scale da (max|x| / 127), 256 int8 qa, and the sums of each 16 qa (int16). A super-block's
+ * weights are small unsigned integers u with an integer scale per 16 or 32 values (6-bit
+ * unsigned in Q4_K/Q5_K, int8 in Q6_K) under one float16 factor d, and an offset: a 6-bit
+ * minimum per 32 under dmin (w = d*sc*u - dmin*mn) or 32 (Q6_K: w = d*sc*(u - 32)). So
+ *
+ *   sum w a = da * (d * sum_g sc_g (u . qa)_g  -  c * sum_g mn_g * bsum_g)
+ *
+ * where everything inside the two sums is an integer (c = dmin, or 32 d with mn = sc), and the
+ * float work is two multiply-adds per super-block and row instead of one per 32 values (what
+ * per-32 activations cost, quant_gemm.c). u . qa runs as vpmaddubsw (unsigned weight bytes
+ * times signed activation bytes, pairs summed to int16: at most 2 * 63 * 127, no saturation),
+ * and the scales enter through vpdpwssd (int16 pairs times int16 scales into int32 lanes).
+ *
+ * The ISA-specific pieces are the unpacking of one super-block into four 64-byte vectors of u
+ * with their per-lane int16 scales (kq_unpack_*) and the per-row dot (kq_dot): an AVX2 build
+ * would give them 2 x 256-bit bodies. Elsewhere the portable code computes the same integer
+ * sums in scalar C (through decode_sub, quant_blocks.h).
+ *
+ * The error against the float product of the dequantized weights is that of rounding each
+ * activation to its 256-block's int8 grid (at most max|x| / 254 per value); tests bound it.
+ */
+#include <stdint.h>
+#include <string.h>
+#include "bf16.h"
+#include "quant_blocks.h"
+#include "threads.h"
+
+#define QK_MR 8 /* most rows of x per pass over a weight row */
+
+static inline int is_k_format(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K; }
+
+/* ------------------------------------------------------------------ activations */
+
+/* x [m, k] (row stride ldx, k a multiple of 256) -> per row: int8 qa[k], da[k / 256], the sums
+ * of each 16 qa in bs[k / 16]. Rounds to nearest even (the default rounding mode), as lrintf. */
+void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
+                 int16_t *bs) {
+    const int64_t nb = k / 256;
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = xr + 256 * b;
+            int8_t *q = qa + r * k + 256 * b;
+            int16_t *s = bs + r * (k / 16) + 16 * b;
+            float amax = 0.0f;
+#if QG_FAST
+            __m512 vmax = _mm512_setzero_ps();
+            for (int j = 0; j < 256; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
+            amax = _mm512_reduce_max_ps(vmax);
+#else
+            for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+            da[r * nb + b] = amax / 127.0f;
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+#if QG_FAST
+            const __m512 vid = _mm512_set1_ps(id);
+            for (int g = 0; g < 16; g++) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), vid));
+                _mm_storeu_si128((__m128i *)(q + 16 * g), _mm512_cvtsepi32_epi8(v));
+                s[g] = (int16_t)_mm512_reduce_add_epi32(v);
+            }
+#else
+            for (int g = 0; g < 16; g++) {
+                int sum = 0;
+                for (int j = 0; j < 16; j++) {
+                    const int v = (int)lrintf(xb[16 * g + j] * id);
+                    q[16 * g + j] = (int8_t)v;
+                    sum += v;
+                }
+                s[g] = (int16_t)sum;
+            }
+#endif
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ products, portable */
+
+static void krows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
+                           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+    const int64_t bb = quant_block_bytes(fmt);
+    float acc[QK_MR] = {0};
+    subblock s;
+    for (int64_t b = 0; b < nb; b++)
+        for (int sb = 0; sb < 8; sb++) {
+            decode_sub(fmt, wrow + b * bb, sb, &s);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *q = qa + r * k + 256 * b + 32 * sb;
+                const int16_t *g = bs + r * (k / 16) + 16 * b + 2 * sb;
+                int d0 = 0, d1 = 0;
+                for (int j = 0; j < 16; j++) d0 += (int)s.u[j] * q[j];
+                for (int j = 16; j < 32; j++) d1 += (int)s.u[j] * q[j];
+                d0 -= s.o * g[0];
+                d1 -= s.o * g[1];
+                acc[r] += da[r * (k / 256) + b] *
+                          (s.s[0] * (float)d0 + s.s[1] * (float)d1 - s.m * (float)(g[0] + g[1]));
+            }
+        }
+    for (int r = 0; r < mr; r++) out[r] = acc[r];
+}
+
+/* ------------------------------------------------------------------ products, AVX-512 VNNI */
+#if QG_FAST
+/* One super-block unpacked: u[g] the 64 unsigned values g*64 .. g*64+63 (bytes in the order of
+ * the activations), sc[g] the int16 scale of each pair of them (vpmaddubsw's lanes), mn the
+ * 16 int16 factors of the activations' 16-sums (the minimum of each 32 twice, or Q6_K's scale
+ * of each 16), d and c: sum w a = da * (d * sum sc*(u.qa) - c * sum mn * bsum). */
+typedef struct {
+    __m512i u[4], sc[4];
+    __m256i mn;
+    float d, c;
+} kq_block;
+
+/* The scale of each int16 lane of vector g (vpermw indices): Q4_K/Q5_K one per 32 values (16
+ * lanes), Q6_K one per 16 (8 lanes). */
+#define R16(v) v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v
+#define R8(v) v, v, v, v, v, v, v, v
+static const int16_t KQ_LANE_SCALE[2][4][32] = {
+    {{R16(0), R16(1)}, {R16(2), R16(3)}, {R16(4), R16(5)}, {R16(6), R16(7)}},
+    {{R8(0), R8(1), R8(2), R8(3)}, {R8(4), R8(5), R8(6), R8(7)},
+     {R8(8), R8(9), R8(10), R8(11)}, {R8(12), R8(13), R8(14), R8(15)}},
+};
+#undef R16
+#undef R8
+
+/* Q4_K / Q5_K's eight 6-bit scales and minimums from the 12 packed bytes: the bytes of
+ * (sc0..3, sc4..7) and (mn0..3, mn4..7) as two pairs of 32-bit words (k_scale_min for all
+ * eight at once). */
+static inline void k_scales_mins(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    sc[0] = a & 0x3f3f3f3fu;
+    mn[0] = b & 0x3f3f3f3fu;
+    sc[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    mn[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+}
+
+static inline __attribute__((always_inline)) void
+kq_unpack_q45k(const uint8_t *blk, const int FIVE, const __m512i idx[4], kq_block *o) {
+    uint32_t sc[2], mn[2];
+    k_scales_mins(blk + 4, sc, mn);
+    o->d = half_to_float(blk);
+    o->c = half_to_float(blk + 2);
+    const __m128i sc8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
+    const __m128i mn8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
+    o->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)); /* each minimum for both 16s */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m256i qh = FIVE ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    const uint8_t *qs = blk + (FIVE ? 48 : 16);
+    for (int g = 0; g < 4; g++) {
+        /* bytes 32g.. : low nibbles are sub-block 2g, high nibbles 2g + 1 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+        __m512i u = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+        if (FIVE) { /* bit 2g (and 2g + 1) of each qh byte is bit 4 of sub-block 2g's (2g+1's) */
+            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * g)),
+                                                 _mm256_srli_epi16(qh, 2 * g + 1), 1);
+            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
+        }
+        o->u[g] = u;
+        o->sc[g] = _mm512_permutexvar_epi16(idx[g], sc16);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+kq_unpack_q6k(const uint8_t *blk, const __m512i idx[4], kq_block *o) {
+    const float d = half_to_float(blk + 208);
+    o->d = d;
+    o->c = 32.0f * d;
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    o->mn = s16;
+    const __m512i sc16 = _mm512_castsi256_si512(s16);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    for (int c = 0; c < 2; c++) {
+        /* 128 values: ql's 64 bytes (low nibbles: values 0..63, high: 64..127), qh's 32 bytes
+         * (bits 0-1: values 0..31, 2-3: 32..63, 4-5: 64..95, 6-7: 96..127) */
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * c);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        o->u[2 * c] = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                      _mm512_slli_epi16(_mm512_and_si512(h, m3), 4));
+        o->u[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), m3), 4));
+    }
+    for (int g = 0; g < 4; g++) o->sc[g] = _mm512_permutexvar_epi16(idx[g], sc16);
+}
+
+/* One row's integer sums for one unpacked super-block: sum sc * (u . qa) in 16 int32 lanes. */
+static inline __attribute__((always_inline)) __m512i kq_dot(const kq_block *w, const int8_t *q) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w->u[g], _mm512_loadu_si512(q + 64 * g)),
+                                  w->sc[g]);
+    return acc;
+}
+
+/* One weight row times MR rows of x: out[r]. */
+static inline __attribute__((always_inline)) void
+krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
+           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+    const int64_t nbk = k / 256, nbs = k / 16;
+    __m512i idx[4];
+    for (int g = 0; g < 4; g++) idx[g] = _mm512_loadu_si512(KQ_LANE_SCALE[FMT == F_Q6_K][g]);
+    __m512 acc[QK_MR];
+    __m256 macc[QK_MR];
+    for (int r = 0; r < MR; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+    const int64_t bb = FMT == F_Q4_K ? 144 : FMT == F_Q5_K ? 176 : 210;
+    for (int64_t b = 0; b < nb; b++) {
+        kq_block w;
+        if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, idx, &w);
+        else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, idx, &w);
+        for (int r = 0; r < MR; r++) {
+            const float a = da[r * nbk + b];
+            const __m512i dot = kq_dot(&w, qa + r * k + 256 * b);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(w.d * a), acc[r]);
+            const __m256i off = _mm256_madd_epi16(w.mn, _mm256_loadu_si256((const __m256i *)(bs + r * nbs + 16 * b)));
+            macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(-w.c * a), macc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        const __m256 m = macc[r];
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(s);
+    }
+}
+
+/* 16 float32 values rounded to bfloat16 and stored. */
+static inline void store_bf16x16(uint16_t *o, __m512 v) {
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(f32x16_to_bf16(v)));
+}
+
+/* One row of K-format super-blocks as bfloat16 (a prefill slab, quant_dequant_bf16): gguf's
+ * float32 values, the same products and differences as dequant_row (no fused multiply-add),
+ * rounded to nearest even; 16 values per vector instead of one. */
+__attribute__((optimize("fp-contract=off")))
+void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
+    __m512i idx[4];
+    for (int g = 0; g < 4; g++) idx[g] = _mm512_loadu_si512(KQ_LANE_SCALE[fmt == F_Q6_K][g]);
+    const int64_t bb = quant_block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        kq_block w;
+        float s[16], m[16]; /* scale and minimum of each 16 values */
+        if (fmt == F_Q6_K) {
+            kq_unpack_q6k(blk, idx, &w);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int i = 0; i < 16; i++) { s[i] = w.d * (float)sc[i]; m[i] = 0.0f; }
+        } else {
+            kq_unpack_q45k(blk, fmt == F_Q5_K, idx, &w);
+            uint32_t sc4[2], mn4[2];
+            k_scales_mins(blk + 4, sc4, mn4);
+            const uint8_t *sc = (const uint8_t *)sc4, *mn = (const uint8_t *)mn4;
+            for (int i = 0; i < 16; i++) {
+                s[i] = w.d * (float)sc[i / 2];
+                m[i] = w.c * (float)mn[i / 2];
+            }
+        }
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 4; h++) {
+                const int i = 4 * g + h; /* values 16i .. 16i+15 */
+                __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.u[g], h));
+                __m512 y;
+                if (fmt == F_Q6_K) {
+                    u = _mm512_sub_epi32(u, _mm512_set1_epi32(32));
+                    y = _mm512_mul_ps(_mm512_set1_ps(s[i]), _mm512_cvtepi32_ps(u));
+                } else {
+                    y = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s[i]), _mm512_cvtepi32_ps(u)),
+                                      _mm512_set1_ps(m[i]));
+                }
+                store_bf16x16(o + 256 * b + 16 * i, y);
+            }
+    }
+}
+
+/* constant format and row count (1, 2, 4 or 8): the accumulators stay in registers */
+#define KQ_ROWS(FMT)                                                                             \
+    switch (mr) {                                                                                \
+    case 1: krows_fast(FMT, wrow, nb, k, 1, qa, da, bs, out); break;                             \
+    case 2: krows_fast(FMT, wrow, nb, k, 2, qa, da, bs, out); break;                             \
+    case 4: krows_fast(FMT, wrow, nb, k, 4, qa, da, bs, out); break;                             \
+    default: krows_fast(FMT, wrow, nb, k, 8, qa, da, bs, out); break;                            \
+    }
+
+static void krows_fast_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
+                           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+    switch (fmt) {
+    case F_Q4_K: KQ_ROWS(F_Q4_K) break;
+    case F_Q5_K: KQ_ROWS(F_Q5_K) break;
+    default: KQ_ROWS(F_Q6_K) break;
+    }
+}
+#endif
+
+/* y[r * ldy + j] = sum_i x_r[i] w_j[i] for the m rows of x quantized by quant_act_k and the n
+ * rows of w (a K format, row_bytes each). path 1: the portable code. Returns -1 for a format
+ * that is not a K format or a k that 256 does not divide. */
+int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t m,
+                 const int8_t *qa, const float *da, const int16_t *bs, float *y, int64_t ldy,
+                 int nthreads, int path) {
+    if (!is_k_format(fmt) || k % 256) return -1;
+    const int64_t nb = k / 256;
+    const int fast = QG_FAST && path == 0;
+#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
+    {
+        const int64_t t = kernel_thread(), team = kernel_team();
+        const int64_t j0 = n * t / team, j1 = n * (t + 1) / team;
+        float out[QK_MR];
+        int mr = 1;
+        for (int64_t j = j0; j < j1; j++) {
+            const uint8_t *wrow = w + j * row_bytes;
+            for (int64_t r0 = 0; r0 < m; r0 += mr) {
+                const int64_t left = m - r0;
+                /* the fast code takes 1, 2, 4 or 8 rows; the portable code any up to 8 */
+                mr = fast ? (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1)
+                          : (int)(left < QK_MR ? left : QK_MR);
+                const int8_t *q = qa + r0 * k;
+                const float *d = da + r0 * nb;
+                const int16_t *s = bs + r0 * (k / 16);
+#if QG_FAST
+                if (fast)
+                    krows_fast_any(fmt, wrow, nb, k, mr, q, d, s, out);
+                else
+#endif
+                    krows_portable(fmt, wrow, nb, k, mr, q, d, s, out);
+                for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + j] = out[r];
+            }
+        }
+    }
+    return 0;
+}
