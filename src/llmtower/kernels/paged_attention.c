@@ -15,8 +15,7 @@
  * widened on load and rounded to nearest-even on the final store, as PyTorch's CPU SDPA does).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
  * (With AVX-512 and grouped-query heads the grouped path, paged_attention_grouped.c, runs
- * instead; elsewhere with a vector layer, attend_vec below; several query rows per request:
- * paged_attention_mq.c.)
+ * instead; several query rows per request: paged_attention_mq.c.)
  * One request at a time per thread: scores for all heads (keys read block by block, slot by
  * slot, so memory is walked forwards), an exact softmax (max, then exp and sum), then the
  * values weighted by the scores. Requests are shared out to num_threads OpenMP threads: loaded
@@ -48,6 +47,39 @@ static inline __attribute__((always_inline)) void prefetch_next_block(
         __builtin_prefetch(next + b);
 }
 
+#if VEC_FAST && !defined(PAGED_GQA)
+/* Where the grouped AVX-512 path does not run but vec.h has a vector layer (AVX2, NEON), the
+ * softmax takes vf_exp_nonpos (libm's expf of max(x, -87.3), a vector at a time): with libm's
+ * expf lane by lane it was ~a sixth of a SmolLM2 layer call at v3. (A grouped vector path with
+ * register-held value accumulators, walking V once per KV head and 16-dim slice, measured 1.45x
+ * slower than this one: the slices' strided passes lose the contiguous row walk.) */
+#define SOFTMAX softmax_vec
+/* softmax_row's numerators and sum, a vector at a time (the tail lane by lane, alike) */
+static inline float softmax_vec(float *s, int64_t len) {
+    vf mx = vf_set1(-INFINITY);
+    int64_t p = 0;
+    for (; p + VEC_LANES <= len; p += VEC_LANES) mx = vf_max(mx, vf_load(s + p));
+    const float m = vf_reduce_max(vf_max(mx, vf_load_n(s + p, len - p, -INFINITY)));
+    const vf mv = vf_set1(m);
+    vf sum = vf_zero();
+    for (p = 0; p + VEC_LANES <= len; p += VEC_LANES) {
+        const vf e = vf_exp_nonpos(vf_sub(vf_load(s + p), mv));
+        vf_store(s + p, e);
+        sum = vf_add(sum, e);
+    }
+    float total = vf_reduce_add(sum);
+    for (; p < len; p++) {
+        const float x = s[p] - m;
+        s[p] = expf(x > -87.3f ? x : -87.3f);
+        total += s[p];
+    }
+    return total;
+}
+
+#else
+#define SOFTMAX softmax_row
+#endif
+
 /* Always inlined, so that each call in attend_one with a constant head_dim and dtype gets its
  * own copy whose inner loops the compiler unrolls and vectorizes completely. */
 static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r, float *scores,
@@ -78,7 +110,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
         }
     }
     /* softmax numerators in place; each head's sum divides its output at the end */
-    for (int64_t h = 0; h < H; h++) acc[H * D + h] = softmax_row(scores + h * ctx + lo, ctx - lo);
+    for (int64_t h = 0; h < H; h++) acc[H * D + h] = SOFTMAX(scores + h * ctx + lo, ctx - lo);
     /* acc[h] = sum_p exp_score[h][p] * v_p */
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
     for (int64_t p0 = b0; p0 < ctx; p0 += bs) {
@@ -99,148 +131,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int64_t r
         store_row(j->out, (r * H + h) * D, acc + h * D, acc[H * D + h], D, BF16);
 }
 
-#if VEC_FAST && !defined(PAGED_GQA)
-/* ------------------------------------------------ the vector path (AVX2, NEON: vec.h)
- * attend's steps with vec.h's operations where the grouped AVX-512 path does not run: each key
- * row is scored for the G query heads that read it while it is in L1, VEC_KEYS keys at a time
- * per head (that many independent FMA chains, each ending in one horizontal sum); the softmax
- * takes vf_exp_nonpos (libm's expf of max(x, -87.3), a vector at a time); the values are
- * weighted for up to VEC_VH heads x VEC_VC vectors of dims at a time, their accumulators in
- * registers across the whole context (attend's live in memory: a load and a store per FMA). */
-#define PAGED_VEC 1
-enum { VEC_KEYS = 4 };
-#if VEC_LANES == 16 || defined(__aarch64__)
-enum { VEC_VH = 4, VEC_VC = 4 }; /* 32 registers: 16 accumulators + 4 values + a weight */
-#else
-enum { VEC_VH = 4, VEC_VC = 2 }; /* 16 registers: 8 + 2 + 1 */
-#endif
-
-static inline __attribute__((always_inline)) vf ldv(const void *p, int64_t i, const int BF16) {
-    return BF16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
-}
-
-/* softmax_row's numerators and sum, a vector at a time (the tail lane by lane, alike) */
-static inline float softmax_vec(float *s, int64_t len) {
-    vf mx = vf_set1(-INFINITY);
-    int64_t p = 0;
-    for (; p + VEC_LANES <= len; p += VEC_LANES) mx = vf_max(mx, vf_load(s + p));
-    const float m = vf_reduce_max(vf_max(mx, vf_load_n(s + p, len - p, -INFINITY)));
-    const vf mv = vf_set1(m);
-    vf sum = vf_zero();
-    for (p = 0; p + VEC_LANES <= len; p += VEC_LANES) {
-        const vf e = vf_exp_nonpos(vf_sub(vf_load(s + p), mv));
-        vf_store(s + p, e);
-        sum = vf_add(sum, e);
-    }
-    float total = vf_reduce_add(sum);
-    for (; p < len; p++) {
-        const float x = s[p] - m;
-        s[p] = expf(x > -87.3f ? x : -87.3f);
-        total += s[p];
-    }
-    return total;
-}
-
-/* scores of NK keys (element offsets kr[0..NK)) for query head vector qh */
-static inline __attribute__((always_inline)) void score_keys(
-        const float *qh, const void *K, const int64_t *kr, float *out, const int NK,
-        const int64_t D, const int BF16) {
-    vf a[VEC_KEYS];
-    for (int i = 0; i < NK; i++) a[i] = vf_zero();
-    for (int64_t c = 0; c < D; c += VEC_LANES) {
-        const vf qv = vf_load(qh + c);
-        for (int i = 0; i < NK; i++) a[i] = vf_fma(qv, ldv(K, kr[i] + c, BF16), a[i]);
-    }
-    for (int i = 0; i < NK; i++) out[i] = vf_reduce_add(a[i]);
-}
-
-/* acc[x][c0 .. c0 + VC * VEC_LANES) = sum_p weight[x][p] * v_p for NH heads x0.. of KV head g */
-static inline __attribute__((always_inline)) void weigh_vec(
-        const Job *j, int64_t r, const float *scores, float *acc, int64_t x0, int64_t g,
-        int64_t c0, const int NH, const int64_t D, const int BF16) {
-    const int64_t bs = j->block_size, ctx = j->context_lens[r], row = j->num_kv_heads * D;
-    const int64_t *table = j->block_tables + r * j->bt_stride;
-    const int64_t lo = window_first(j, ctx - 1);
-    const float *w[VEC_VH];
-    for (int i = 0; i < NH; i++) w[i] = scores + (x0 + i) * ctx;
-    vf a[VEC_VH][VEC_VC];
-    for (int i = 0; i < NH; i++)
-        for (int c = 0; c < VEC_VC; c++) a[i][c] = vf_zero();
-    for (int64_t p0 = lo / bs * bs; p0 < ctx; p0 += bs) {
-        const int64_t vb = table[p0 / bs] * bs * row + g * D + c0;
-        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = lo > p0 ? lo - p0 : 0; t < n; t++) {
-            if (c0 == 0 && x0 % (j->num_heads / j->num_kv_heads) == 0)
-                prefetch_next_block(j->v, table, p0, t, ctx, bs, row, BF16);
-            vf v[VEC_VC];
-            for (int c = 0; c < VEC_VC; c++) v[c] = ldv(j->v, vb + t * row + c * VEC_LANES, BF16);
-            for (int i = 0; i < NH; i++) {
-                const vf e = vf_set1(w[i][p0 + t]);
-                for (int c = 0; c < VEC_VC; c++) a[i][c] = vf_fma(e, v[c], a[i][c]);
-            }
-        }
-    }
-    for (int i = 0; i < NH; i++)
-        for (int c = 0; c < VEC_VC; c++) vf_store(acc + (x0 + i) * D + c0 + c * VEC_LANES, a[i][c]);
-}
-
-static inline __attribute__((always_inline)) void attend_vec(const Job *j, int64_t r,
-                                                             float *scores, float *acc,
-                                                             const int64_t D, const int BF16) {
-    const int64_t H = j->num_heads, bs = j->block_size, hkv = j->num_kv_heads;
-    const int64_t G = H / hkv, ctx = j->context_lens[r], row = hkv * D;
-    const int64_t *table = j->block_tables + r * j->bt_stride;
-    float *restrict q = acc + H * (D + 1); /* the query, widened to float32 once */
-    for (int64_t i = 0; i < H * D; i++) q[i] = ld(j->q, r * j->q_stride + i, BF16) * j->scale;
-    const int64_t lo = window_first(j, ctx - 1);
-    for (int64_t p0 = lo / bs * bs; p0 < ctx; p0 += bs) {
-        const int64_t kb = table[p0 / bs] * bs * row;
-        const int64_t n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t += VEC_KEYS) {
-            const int nk = n - t < VEC_KEYS ? (int)(n - t) : VEC_KEYS;
-            for (int i = 0; i < nk; i++) prefetch_next_block(j->k, table, p0, t + i, ctx, bs, row, BF16);
-            for (int64_t g = 0; g < hkv; g++) {
-                int64_t kr[VEC_KEYS];
-                for (int i = 0; i < VEC_KEYS; i++) kr[i] = kb + (t + (i < nk ? i : 0)) * row + g * D;
-                for (int64_t x = g * G; x < (g + 1) * G; x++) {
-                    float *out = scores + x * ctx + p0 + t;
-                    if (nk == VEC_KEYS) score_keys(q + x * D, j->k, kr, out, VEC_KEYS, D, BF16);
-                    else
-                        for (int i = 0; i < nk; i++) score_keys(q + x * D, j->k, kr + i, out + i, 1, D, BF16);
-                }
-            }
-        }
-    }
-    for (int64_t x = 0; x < H; x++) acc[H * D + x] = softmax_vec(scores + x * ctx + lo, ctx - lo);
-    for (int64_t g = 0; g < hkv; g++)
-        for (int64_t x0 = g * G; x0 < (g + 1) * G; x0 += VEC_VH)
-            for (int64_t c0 = 0; c0 < D; c0 += VEC_VC * VEC_LANES)
-                switch ((g + 1) * G - x0 < VEC_VH ? (g + 1) * G - x0 : VEC_VH) {
-                    case 1: weigh_vec(j, r, scores, acc, x0, g, c0, 1, D, BF16); break;
-                    case 2: weigh_vec(j, r, scores, acc, x0, g, c0, 2, D, BF16); break;
-                    case 3: weigh_vec(j, r, scores, acc, x0, g, c0, 3, D, BF16); break;
-                    default: weigh_vec(j, r, scores, acc, x0, g, c0, 4, D, BF16);
-                }
-    for (int64_t h = 0; h < H; h++)
-        store_row(j->out, (r * H + h) * D, acc + h * D, acc[H * D + h], D, BF16);
-}
-#endif
-
 static void attend_one(const Job *j, int64_t r, float *scores, float *acc, int bf16) {
-#ifdef PAGED_VEC
-    if (j->head_dim % (VEC_VC * VEC_LANES) == 0) {
-        switch (j->head_dim * 2 + bf16) {
-            case 64 * 2: attend_vec(j, r, scores, acc, 64, 0); return;
-            case 64 * 2 + 1: attend_vec(j, r, scores, acc, 64, 1); return;
-            case 128 * 2: attend_vec(j, r, scores, acc, 128, 0); return;
-            case 128 * 2 + 1: attend_vec(j, r, scores, acc, 128, 1); return;
-            default:
-                if (bf16) attend_vec(j, r, scores, acc, j->head_dim, 1);
-                else attend_vec(j, r, scores, acc, j->head_dim, 0);
-                return;
-        }
-    }
-#endif
     switch (j->head_dim * 2 + bf16) { /* the common head sizes get fully unrolled copies */
         case 64 * 2: attend(j, r, scores, acc, 64, 0); break;
         case 64 * 2 + 1: attend(j, r, scores, acc, 64, 1); break;
