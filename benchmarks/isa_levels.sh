@@ -4,18 +4,24 @@
 # match: "v3" emulates an AVX2-only CPU (oneDNN and ATen capped at AVX2, kernels for
 # x86-64-v3), "native" is this CPU. Same prompts and harness as vs_vllm.sh
 # (../shared/anchors/bench_offline.py); vLLM's AVX2 build runs beside it under the same caps
-# where ANCHORS_VENV has one. bfloat16 where the engine refuses it at start prints "refused".
+# where ANCHORS_VENV has one (below v4 told that the CPU has no AVX-512, so that it loads its AVX2
+# build: each line names the vllm/_C*.so it mapped). bfloat16 where the engine refuses it at start
+# prints "refused". The engines take turns cell by cell.
 #   LEVELS  the levels to run (default: "v3 native"; v2 and v4 also work)
 #   CELLS   the cells (default: "one-f32 many-f32 one-bf16 many-bf16")
 #   MODEL, ANCHORS_VENV  as in vs_vllm.sh; HARNESS the harness (../shared/anchors/bench_offline.py)
 #   RUNS_ONE / RUNS_MANY  timed runs per cell (3 / 2); PY the python (.venv/bin/python)
+#   ROUNDS  times the whole table is run (1): on a shared machine, compare within a round
+#   KV_GIB  each engine's KV cache (4; 2 holds the 64 prompts in float32 with room to spare)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 ANCHORS_VENV=${ANCHORS_VENV:-$HOME/anchors/venv}
-MODEL=${MODEL:-$(ls -d "$HOME"/.cache/llmtower/smollm2-135m-instruct-* | head -1)}
+# the float32 folder llmtower converts the GGUF into (the one with its weights: vLLM reads them)
+MODEL=${MODEL:-$(dirname "$(ls -t "$HOME"/.cache/llmtower/smollm2-135m-instruct-*/model.safetensors \
+                            | head -1)")}
 HARNESS=${HARNESS:-../shared/anchors/bench_offline.py}
-B="--seed 0 --threads 2 --max-foreign 1.0 --idle-timeout 1"
+B="--seed 0 --threads 2 --max-foreign 1.0 --idle-timeout 1 --kv-gib ${KV_GIB:-4}"
 ONE="--num-prompts 1 --min-input 144 --max-input 144 --output-len 128 --runs ${RUNS_ONE:-3}"
 MANY="--num-prompts 64 --min-input 32 --max-input 256 --output-len 128 --runs ${RUNS_MANY:-2}"
 caps() {  # level -> the environment that builds and caps for it
@@ -28,6 +34,28 @@ caps() {  # level -> the environment that builds and caps for it
   esac
 }
 tok_s() { sed -n 's/^RESULT .*"output_tok_s": \([0-9.]*\).*/\1/p' | tail -1; }
+# vLLM picks its kernel library by what the CPU has, not by ONEDNN_MAX_CPU_ISA: below v4 a
+# sitecustomize.py (on PYTHONPATH for its runs only) reports no AVX-512 to it, so it loads its
+# AVX2 build (_C_AVX2), and prints which vllm/_C*.so the process mapped (checked below).
+SHIM=$(mktemp -d)
+trap 'rm -rf "$SHIM"' EXIT
+cat > "$SHIM/sitecustomize.py" <<'PY'
+import atexit
+import os
+if os.environ.get("BENCH_NO_AVX512") == "1":
+    import torch
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+@atexit.register
+def _loaded():
+    with open("/proc/self/maps") as f:
+        libs = sorted({ln.split()[-1].rsplit("/", 1)[-1] for ln in f if "vllm/_C" in ln})
+    print("VLLM_KERNELS", " ".join(libs) or "none", flush=True)
+PY
+shim() {  # level -> the environment of vLLM's runs
+  case $1 in v2|v3) echo "PYTHONPATH=$SHIM BENCH_NO_AVX512=1";; *) echo "PYTHONPATH=$SHIM";; esac
+}
+for round in $(seq "${ROUNDS:-1}"); do
 for level in ${LEVELS:-v3 native}; do
   for cell in ${CELLS:-one-f32 many-f32 one-bf16 many-bf16}; do
     case $cell in
@@ -41,14 +69,17 @@ for level in ${LEVELS:-v3 native}; do
     ours=$(echo "$out" | tok_s)
     [ -z "$ours" ] && ours=$(echo "$out" | grep -q "is refused on this CPU" && echo refused \
                              || echo "failed: $(echo "$out" | tail -1)")
-    theirs=-
+    theirs=- vlib=-
     if [ -x "$ANCHORS_VENV/bin/python" ]; then
       # shellcheck disable=SC2046,SC2086
-      theirs=$(env $(caps "$level") "$ANCHORS_VENV/bin/python" "$HARNESS" --engine vllm \
-               --vllm-mode inproc --omp-bind 0-1 --model "$MODEL" $B --dtype $dtype $shape \
-               2>&1 | tok_s)
+      vout=$(env $(caps "$level") $(shim "$level") nice -n "${NICE:-0}" \
+             "$ANCHORS_VENV/bin/python" "$HARNESS" --engine vllm --vllm-mode inproc \
+             --omp-bind 0-1 --model "$MODEL" $B --dtype $dtype $shape 2>&1)
+      theirs=$(echo "$vout" | tok_s)
+      vlib=$(echo "$vout" | sed -n 's/^VLLM_KERNELS //p' | tail -1)
     fi
-    echo "level=$level cell=$cell llmtower_tok_s=$ours vllm_tok_s=${theirs:-failed}" \
-         "load=$(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "round=$round level=$level cell=$cell llmtower_tok_s=$ours vllm_tok_s=${theirs:-failed}" \
+         "vllm_kernels=${vlib:-?} load=$(cut -d' ' -f1-3 /proc/loadavg)"
   done
+done
 done

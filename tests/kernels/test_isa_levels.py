@@ -21,11 +21,20 @@ CC = os.environ.get("CC") or "cc"
 AARCH64_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 # The kernel tests re-run at each level: those whose fast paths the vector layer now carries
-# and the portable attention and fused ops every level runs. v4's attention is the AVX-512 path
-# the ordinary suite already runs on this CPU.
+# (v3: the float32 panels, decode attention's vector path, float32 prefill attention, the int8
+# greedy screen on AVX2's vpmaddwd) and the portable attention and fused ops every level runs.
+# v4's attention is the AVX-512 path the ordinary suite already runs on this CPU; its screen
+# takes vpmaddwd instead of VNNI's vpdpwssd.
+# the screen's own tests (its engine tests re-run the model, not the kernel)
+GREEDY_KERNEL_TESTS = [f"test_greedy_head.py::test_{t}" for t in (
+    "tokens_are_the_full_layers_argmax", "ties_go_to_the_first_index",
+    "rows_the_screen_underrates_still_win", "rows_it_cannot_decide_are_left_to_the_full_layer",
+    "grammar_bitmasks_are_applied_as_xgrammar_applies_them")]
 LEVEL_TESTS = {"v2": ["test_gemm_f32.py", "test_fused_ops.py", "test_paged_attention_kernel.py"],
-               "v3": ["test_gemm_f32.py", "test_fused_ops.py", "test_paged_attention_kernel.py"],
-               "v4": ["test_gemm_f32.py", "test_fused_ops.py"]}
+               "v3": ["test_gemm_f32.py", "test_fused_ops.py", "test_paged_attention_kernel.py",
+                      "test_paged_attention_window.py", "test_prefill_attention_f32.py",
+                      *GREEDY_KERNEL_TESTS],
+               "v4": ["test_gemm_f32.py", "test_fused_ops.py", *GREEDY_KERNEL_TESTS]}
 
 
 def _runs_here(level: str) -> bool:
@@ -67,6 +76,7 @@ def test_vector_layer_at_each_x86_level(tmp_path, level, isa):
         pytest.skip(f"no C compiler {CC!r}")
     out = _check([], CC, tmp_path / "vec_check", f"-march=x86-64-{level}")
     assert out.startswith(f"{isa} ") and "failures=0" in out
+    assert f" int={int(level != 'v2')} " in out  # the integer layer: vector from AVX2 on
 
 
 def test_vector_layer_neon_under_qemu_matches_plain_c(tmp_path):
@@ -77,7 +87,7 @@ def test_vector_layer_neon_under_qemu_matches_plain_c(tmp_path):
         pytest.skip(f"{' and '.join(missing)} not installed (Debian: apt-get install "
                     "gcc-aarch64-linux-gnu qemu-user)")
     out = _check([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC, tmp_path / "vec_check")
-    assert out.startswith("neon lanes=4 fast=1") and "failures=0" in out
+    assert out.startswith("neon lanes=4 fast=1 int=1") and "failures=0" in out
 
 
 # The levels whose kernel tests run (a library build and ~30 s of tests each on a quiet 2-core

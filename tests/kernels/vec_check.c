@@ -52,9 +52,35 @@ int main(void) {
                 memcpy(&want, &u, sizeof want);
                 expect_same("bf16", i + l, out[i + l], want);
             }
-            vf_store(out + i, vf_exp(vf_mul(vf_load(a + i), vf_set1(20.0f))));
+            for (int vector_exp = 0; vector_exp < 2; vector_exp++) {
+                /* libm lane by lane, then vec_exp.h's vector exp (AVX-512, AVX2; glibc's to the
+                 * bit), with lanes past +-88 in some vectors (libm's special path) */
+                kernel_vector_exp = vector_exp;
+                const float f = round % 3 ? 20.0f : 25.0f;
+                vf_store(out + i, vf_exp(vf_mul(vf_load(a + i), vf_set1(f))));
+                for (int l = 0; l < VEC_LANES; l++)
+                    expect_same(vector_exp ? "exp (vector)" : "exp", i + l, out[i + l],
+                                expf(a[i + l] * f));
+                vf_store(out + i, vf_exp_nonpos(vf_mul(vf_load(a + i), vf_set1(f))));
+                for (int l = 0; l < VEC_LANES; l++) {
+                    const float x = a[i + l] * f;
+                    expect_same("exp_nonpos", i + l, out[i + l], x <= 0.0f
+                                ? expf(x > -87.3f ? x : -87.3f) : out[i + l]);
+                }
+            }
+            kernel_vector_exp = 0;
+            vf_store(out + i, vf_div(vf_sub(vf_load(a + i), vf_load(b + i)), vf_load(c + i)));
             for (int l = 0; l < VEC_LANES; l++)
-                expect_same("exp", i + l, out[i + l], expf(a[i + l] * 20.0f));
+                expect_same("sub_div", i + l, out[i + l], (a[i + l] - b[i + l]) / c[i + l]);
+            for (int keep = 0; keep <= VEC_LANES; keep++) {
+                vf_store(out + i, vf_keep_n(vf_load(a + i), keep - (keep == 0)));
+                for (int l = 0; l < VEC_LANES; l++)
+                    expect_same("keep_n", i + l, out[i + l], l < keep ? a[i + l] : 0.0f);
+                /* the first `keep` lanes end at the array's last element */
+                vf_store(out + i, vf_load_n(a + N - keep, keep, -1.5f));
+                for (int l = 0; l < VEC_LANES; l++)
+                    expect_same("load_n", i + l, out[i + l], l < keep ? a[N - keep + l] : -1.5f);
+            }
             float mx = a[i], sum = 0.0f;
             for (int l = 0; l < VEC_LANES; l++) mx = a[i + l] > mx ? a[i + l] : mx;
             expect_same("reduce_max", i, vf_reduce_max(vf_load(a + i)), mx);
@@ -63,6 +89,28 @@ int main(void) {
             if (fabsf(got - sum) > 1e-5f * (1.0f + fabsf(sum)) && failures++ < 20)
                 printf("FAIL reduce_add[%d]: got %.9g want %.9g\n", i, got, sum);
         }
+    }
+    /* the integer pair products (the greedy screen's): int8 weights x int16 pairs, summed in
+     * int32 exactly, against plain C */
+    {
+        int8_t w8[2 * VEC_LANES];
+        int16_t x16[2];
+        int32_t got[VEC_LANES], want[VEC_LANES] = {0};
+        vi acc = vi_zero();
+        for (int round = 0; round < 300; round++) {
+            for (int i = 0; i < 2 * VEC_LANES; i++) w8[i] = (int8_t)(int)(rnd() * 31.9f);
+            x16[0] = (int16_t)(int)(rnd() * 4095.0f);
+            x16[1] = round % 7 == 0 ? (int16_t)-16383 : (int16_t)(int)(rnd() * 4095.0f);
+            uint32_t pair;
+            memcpy(&pair, x16, sizeof pair);
+            acc = vi_dot_pairs(acc, vw_load_i8(w8), vw_set1_pair(pair));
+            for (int l = 0; l < VEC_LANES; l++)
+                want[l] += (int32_t)w8[2 * l] * x16[0] + (int32_t)w8[2 * l + 1] * x16[1];
+        }
+        vi_store(got, acc);
+        for (int l = 0; l < VEC_LANES; l++)
+            if (got[l] != want[l] && failures++ < 20)
+                printf("FAIL dot_pairs[%d]: got %d want %d\n", l, (int)got[l], (int)want[l]);
     }
 #if F32_FAST
     /* the panel micro-kernel at every row count against the portable loop (k order, fmaf) */
@@ -77,6 +125,7 @@ int main(void) {
         for (int i = 0; i < rows * F32_NP; i++) expect_same("f32_tile", i, fast[i], slow[i]);
     }
 #endif
-    printf("%s lanes=%d fast=%d failures=%d\n", VEC_ISA, VEC_LANES, VEC_FAST, failures);
+    printf("%s lanes=%d fast=%d int=%d failures=%d\n", VEC_ISA, VEC_LANES, VEC_FAST, VI_FAST,
+           failures);
     return failures != 0;
 }

@@ -71,6 +71,16 @@ static void f32_store_tile(float *acc, int rows, float *out, int64_t ldo, int nc
                 _mm512_mask_storeu_ps(o, (__mmask16)((1u << ncols) - 1), _mm512_mul_ps(s, u));
                 continue;
             }
+#elif F32_FAST
+            if (path == 0 && ncols == F32_HALF) { /* f32_silu's steps, vf_exp libm's expf */
+                for (int c = 0; c < F32_HALF; c += VEC_LANES) {
+                    const vf g = vf_load(a + c);
+                    const vf e = vf_exp(vf_sub(vf_zero(), g));
+                    vf_store(o + c, vf_mul(vf_div(g, vf_add(vf_set1(1.0f), e)),
+                                           vf_load(a + F32_HALF + c)));
+                }
+                continue;
+            }
 #endif
             for (int c = 0; c < ncols; c++) o[c] = f32_silu(a[c]) * a[F32_HALF + c];
         } else {

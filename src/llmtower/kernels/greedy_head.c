@@ -18,7 +18,8 @@
  *
  * Per row v of W: s_v = max|w_v| / 127, q_v = round(w_v / s_v), e_v = w_v - s_v q_v. The
  * screen quantizes h to 15-bit integers, h = s_h r + d, and sums q_v . r exactly in int32
- * (vpdpwssd: the int8 weights widened to int16, two products per lane). Then
+ * (vec.h's vi_dot_pairs: the int8 weights widened to int16, two products per lane; vpdpwssd
+ * with VNNI, vpmaddwd on AVX2, NEON's widening multiplies). Then
  *
  *   w_v . h = s_v s_h (q_v . r) + s_v (q_v . d) + e_v . h
  *   |w_v . h - s_v s_h (q_v . r)| <= s_v |q_v| |d| + |e_v| |h|          (Cauchy-Schwarz)
@@ -38,17 +39,38 @@
 #include <stdlib.h>
 #include "gemv_bf16_tiles.h" /* TILE (64), tile_sums: the bfloat16 output layer's own code */
 #include "gemm_f32_panels.h" /* F32_NP (32): the float32 output layer's panels */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* the screen's pair products on vec.h's integer layer (AVX-512 BW / VNNI, AVX2 / AVX-VNNI,
+ * NEON); the epilogue's float32 work on its float one */
+#if VI_FAST && VEC_FAST
 #define SCREEN_FAST 1
 #else
 #define SCREEN_FAST 0
 #endif
 
 #define MAX_ROWS 256     /* rows per call: a decode step of the products' kernels */
-#define SCREEN_CHUNK 4   /* rows screened together per tile: 4 x 4 accumulators */
+#define SCREEN_CHUNK 4   /* rows screened together per tile */
+#define SCREEN_VECS (TILE / VEC_LANES) /* vectors of int32 sums per row of a tile */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define SCREEN_REGS 32   /* vector registers */
+#else
+#define SCREEN_REGS 16
+#endif
 
-int greedy_head_fast(void) { return SCREEN_FAST && HAVE_FAST && F32_FAST; }
-int greedy_head_max_rows(void) { return MAX_ROWS; }
+/* The bfloat16 screen's exact pass reads the output layer's gemv tiles, whose portable code
+ * runs where AVX512_BF16 is missing (a bfloat16 head has those tiles only where gemv_bf16 is
+ * on, models/layers/head.py); the float32 one needs the float panels' vector code. */
+int greedy_head_fast(void) { return SCREEN_FAST && F32_FAST; }
+/* Rows a call takes: all of a decode step where the pair products are one instruction
+ * (vpdpwssd: AVX-512 VNNI, AVX-VNNI; NEON); with AVX2's vpmaddwd + vpaddd the screen costs as
+ * many instructions as float32 FMAs per product and beats the full layer only by its halved
+ * weight read: measured at v3 (one thread, SmolLM2's head) 4.4x at 1 row, 1.4x at 8, 1.1x at
+ * 32, 0.9x at 64, so steps of more rows take the full layer there. */
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#define WORTH_ROWS 32
+#else
+#define WORTH_ROWS MAX_ROWS
+#endif
+int greedy_head_max_rows(void) { return WORTH_ROWS; }
 
 /* ------------------------------------------------------------------ the screen */
 
@@ -68,25 +90,38 @@ static void screen_portable(const int16_t *r16, int64_t pairs, int rows, const i
 }
 
 #if SCREEN_FAST
+/* Vectors of a tile's columns per pass for ROWS rows: the most (a power of two) whose
+ * accumulators, weights (kept for the next row where there is one) and broadcast all stay in
+ * registers (AVX-512: the whole tile, 4 x 4 + 4 + 1; AVX2: all 8 of its vectors for one row, 4
+ * or 2 for more, the tile then read from cache again per pass). */
+static inline int screen_pass_vecs(const int ROWS) {
+    int cv = SCREEN_VECS;
+    while (cv > 1 && cv * ROWS + (ROWS > 1 ? cv : 1) + 1 > SCREEN_REGS) cv /= 2;
+    return cv;
+}
+
 static inline __attribute__((always_inline)) void screen_fast(
         const int16_t *r16, int64_t pairs, const int ROWS, const int8_t *tile, int32_t *acc) {
-    __m512i a[SCREEN_CHUNK][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < 4; b++) a[r][b] = _mm512_setzero_si512();
+    const int CV = screen_pass_vecs(ROWS);
     const uint32_t *x32[SCREEN_CHUNK];
     for (int r = 0; r < ROWS; r++) x32[r] = (const uint32_t *)(const void *)(r16 + r * pairs * 2);
-    for (int64_t p = 0; p < pairs; p++) {
-        const int8_t *wp = tile + p * TILE * 2;
-        __m512i w[4];
-        for (int b = 0; b < 4; b++)
-            w[b] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wp + 32 * b)));
-        for (int r = 0; r < ROWS; r++) {
-            __m512i xb = _mm512_set1_epi32((int)x32[r][p]);
-            for (int b = 0; b < 4; b++) a[r][b] = _mm512_dpwssd_epi32(a[r][b], w[b], xb);
+    for (int v0 = 0; v0 < SCREEN_VECS; v0 += CV) {
+        /* fixed sizes (no VLAs): they stay in registers */
+        vi a[SCREEN_CHUNK][SCREEN_VECS];
+        for (int r = 0; r < ROWS; r++)
+            for (int b = 0; b < CV; b++) a[r][b] = vi_zero();
+        for (int64_t p = 0; p < pairs; p++) {
+            const int8_t *wp = tile + p * TILE * 2 + v0 * VEC_LANES * 2;
+            vw w[SCREEN_VECS];
+            for (int b = 0; b < CV; b++) w[b] = vw_load_i8(wp + 2 * VEC_LANES * b);
+            for (int r = 0; r < ROWS; r++) {
+                const vw xb = vw_set1_pair(x32[r][p]);
+                for (int b = 0; b < CV; b++) a[r][b] = vi_dot_pairs(a[r][b], w[b], xb);
+            }
         }
+        for (int r = 0; r < ROWS; r++)
+            for (int b = 0; b < CV; b++) vi_store(acc + r * TILE + (v0 + b) * VEC_LANES, a[r][b]);
     }
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < 4; b++) _mm512_storeu_si512(acc + r * TILE + 16 * b, a[r][b]);
 }
 #endif
 
@@ -137,7 +172,7 @@ static float epilogue(const int32_t *acc, const float *cs_s, const float *cs_a, 
                       const RowScreen *rs, int64_t n, float *upper, float lower,
                       const uint32_t *allow, int64_t c0, int fast) {
     int64_t c = 0;
-#if SCREEN_FAST
+#if SCREEN_FAST && defined(__AVX512F__)
     if (fast) {
         const __m512 sh = _mm512_set1_ps(rs->sf), hn = _mm512_set1_ps(rs->hf);
         const __m512 dn = _mm512_set1_ps(rs->df), tn = _mm512_set1_ps(rs->tf);
@@ -164,6 +199,19 @@ static float epilogue(const int32_t *acc, const float *cs_s, const float *cs_a, 
     }
 #endif
     (void)fast;
+    if (!allow) { /* the same steps in a loop the compiler vectorizes (a maximum is order-free) */
+        float lo_max = lower;
+#pragma omp simd reduction(max : lo_max)
+        for (int64_t i = c; i < n; i++) {
+            const float cen = (float)acc[i] * (cs_s[i] * rs->sf);
+            float rad = fmaf(cs_a[i], rs->hf, fmaf(cs_b[i], rs->df, rs->tf));
+            rad = fmaf(fabsf(cen), CENTER_SLACK, rad * RAD_SLACK);
+            upper[i] = cen + rad;
+            const float lo = cen - rad;
+            lo_max = lo > lo_max ? lo : lo_max;
+        }
+        return lo_max;
+    }
     for (; c < n; c++) {
         if (allow && !((allow[(c0 + c) >> 5] >> ((c0 + c) & 31)) & 1u)) {
             upper[c] = -INFINITY;
@@ -264,6 +312,20 @@ static void exact_f32(const float *x, int64_t k, const float *wp, const int64_t 
     }
 }
 
+/* Bounds u[v0 .. v1) against thr: each at or above it appended to cr (nc of cap); 1 where
+ * the row is "over" (an infinite or NaN bound, or more candidates than cap), else 0. */
+static int scan_bounds(const float *u, int64_t v0, int64_t v1, float thr, int64_t *cr,
+                       int64_t *nc, int64_t cap) {
+    for (int64_t v = v0; v < v1; v++) {
+        if (isnan(u[v]) || u[v] == INFINITY) return 1;
+        if (u[v] >= thr) {
+            if (*nc == cap) return 1;
+            cr[(*nc)++] = v;
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ the call */
 
 /* x [m, k] (row stride x_stride; bfloat16 if bf16 else float32), m <= MAX_ROWS.
@@ -280,7 +342,7 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
                        int64_t *cand, float *cand_val, int64_t cap, int64_t *num_cand,
                        int64_t *tokens, const uint32_t *allow, int64_t allow_words,
                        int num_threads, int path) {
-    if (m < 1 || m > MAX_ROWS || n <= 0 || k <= 0 || cap < 1 || x_stride < k
+    if (m < 1 || m > WORTH_ROWS || n <= 0 || k <= 0 || cap < 1 || x_stride < k
             || (allow && allow_words * 32 < n))
         return 1;
     const int64_t pairs = (k + 1) / 2, tiles = (n + TILE - 1) / TILE, n_pad = tiles * TILE;
@@ -341,7 +403,7 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
         /* A NaN or +inf upper bound (a logit past float32's range) proves nothing: the full
          * layer decides such a row ("over"). */
         int64_t v = 0;
-#if SCREEN_FAST
+#if SCREEN_FAST && defined(__AVX512F__)
         const __m512 tv = _mm512_set1_ps(thr_lo), inf = _mm512_set1_ps(INFINITY);
         for (; v + 16 <= n && !over; v += 16) {
             const __m512 uv = _mm512_loadu_ps(u + v);
@@ -355,14 +417,17 @@ int greedy_head_tokens(const void *x, int64_t m, int64_t x_stride, int bf16, con
                 cr[nc++] = v + __builtin_ctz(mask);
             }
         }
-#endif
-        for (; v < n && !over; v++) {
-            if (isnan(u[v]) || u[v] == INFINITY) { over = 1; break; }
-            if (u[v] >= thr_lo) {
-                if (nc == cap) { over = 1; break; }
-                cr[nc++] = v;
-            }
+#else
+        /* 64 bounds at a time through a loop the compiler vectorizes: only a chunk holding a
+         * candidate, an infinity or a NaN (!(u < thr) for each) is looked at one by one */
+        for (; v + 64 <= n && !over; v += 64) {
+            int hit = 0;
+#pragma omp simd reduction(| : hit)
+            for (int i = 0; i < 64; i++) hit |= !(u[v + i] < thr_lo);
+            if (hit) over = scan_bounds(u, v, v + 64, thr_lo, cr, &nc, cap);
         }
+#endif
+        if (!over) over = scan_bounds(u, v, n, thr_lo, cr, &nc, cap);
         if (over || nc == 0) continue;
         float *val = cand_val + r * cap;
         const void *xr = (const char *)x + (size_t)(r * x_stride) * es;

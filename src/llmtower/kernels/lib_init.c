@@ -6,14 +6,15 @@
 #include <string.h>
 #include "vec_exp.h"
 
-/* Whether exp16 (vec_exp.h) is this libm's expf to the bit: set by kernel_vector_exp_check. */
+/* Whether exp16 / exp8_avx2 (vec_exp.h) is this libm's expf to the bit: set by
+ * kernel_vector_exp_check. */
 int kernel_vector_exp = 0;
 
-/* Checks exp16 against this libm's expf on every 127th float bit pattern of [-88.7, 88.7] and
+/* Checks exp16 (AVX2: exp8_avx2) against this libm's expf on every 127th float bit pattern of [-88.7, 88.7] and
  * turns the vector silu epilogue on when they all agree (off otherwise); returns 1 if on. */
 int kernel_vector_exp_check(void) {
     int ok = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     ok = 1;
     float in[16], got[16];
     int fill = 0;
@@ -23,8 +24,15 @@ int kernel_vector_exp_check(void) {
             memcpy(&in[fill++], &bits, sizeof bits);
             if (fill < 16) continue;
             fill = 0;
+#if defined(__AVX512F__)
             __mmask16 special;
             _mm512_storeu_ps(got, exp16(_mm512_loadu_ps(in), &special));
+#else
+            int lo, hi;
+            _mm256_storeu_ps(got, exp8_avx2(_mm256_loadu_ps(in), &lo));
+            _mm256_storeu_ps(got + 8, exp8_avx2(_mm256_loadu_ps(in + 8), &hi));
+            const int special = lo | hi << 8;
+#endif
             for (int i = 0; i < 16; i++) {
                 if (special >> i & 1) continue;
                 const float want = expf(in[i]);

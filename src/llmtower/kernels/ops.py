@@ -13,7 +13,7 @@ The kernels, by name:
     fused_ops          add + RMSNorm, RoPE + KV write, silu * up (fused_ops.c)
     paged_attention    decode attention over the paged KV cache (paged_attention*.c)
     prefill_bf16       bfloat16 causal prefill attention (prefill_attention.c; AVX512_BF16)
-    prefill_f32        float32 causal prefill attention (prefill_attention_f32.c; AVX-512)
+    prefill_f32        float32 causal prefill attention (prefill_attention_f32.c; vec.h)
     gemv_bf16          bfloat16 few-row products (gemv_bf16.c; AVX512_BF16)
     gemm_bf16          bfloat16 decode-step products (gemm_bf16.c; AVX512_BF16)
     gemm_f32           float32 decode-step products (gemm_f32.c; vec.h: AVX-512, AVX2+FMA, NEON)
@@ -21,7 +21,7 @@ The kernels, by name:
     decode_layer_f32   the fused float32 decode layer (decode_layer.c; as gemm_f32)
     moe_experts_bf16   a decode step's chosen experts in one call, bfloat16 (moe_experts.c; as gemv_bf16)
     moe_experts_f32    the same, float32 (moe_experts.c; as gemm_f32)
-    greedy_head        the greedy output layer's int8 screen (greedy_head.c; AVX512_VNNI + BF16)
+    greedy_head        the greedy output layer's int8 screen (greedy_head.c; vec.h's integer layer)
     quant_gemm         products by GGUF block-quantized weights (quant_gemm.c, quant_gemm_k.c; AVX512_VNNI)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
@@ -72,7 +72,6 @@ def kernel_takes(kernel: str, options: frozenset[str]) -> bool:
 
 
 _NO_BF16 = "this CPU (or compiler) has no AVX512_BF16"
-_NO_AVX512 = "this CPU (or compiler) has no AVX-512"
 _NO_VEC = ("the kernels were built without a vector layer (vec.h: AVX-512, AVX2 with FMA, or "
            "NEON; LLMTOWER_CPU_ISA=v2 builds none)")
 _SDPA = "prefill keeps PyTorch's SDPA"
@@ -81,7 +80,7 @@ _SDPA = "prefill keeps PyTorch's SDPA"
 # paged_attention, cpu_bind) have portable code and run wherever the library builds.
 _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "prefill_bf16": ("prefill_supported", (), f"{_NO_BF16}: {_SDPA}"),
-    "prefill_f32": ("prefill_f32_supported", (), f"{_NO_AVX512}: {_SDPA}"),
+    "prefill_f32": ("prefill_f32_supported", (), f"{_NO_VEC}: {_SDPA}"),
     "gemv_bf16": ("gemv_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
     "gemm_bf16": ("gemm_bf16_fast", (), f"{_NO_BF16}: bfloat16 decode GEMMs stay on oneDNN"),
     "gemm_f32": ("gemm_f32_fast", (), f"{_NO_VEC}: float32 GEMMs stay on oneDNN"),
@@ -89,8 +88,7 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "decode_layer_f32": ("decode_layer_fast", (0,), _NO_VEC),
     "moe_experts_bf16": ("moe_experts_fast", (1,), f"{_NO_BF16}: experts run one by one"),
     "moe_experts_f32": ("moe_experts_fast", (0,), f"{_NO_VEC}: experts run one by one"),
-    "greedy_head": ("greedy_head_fast", (), "this CPU (or compiler) lacks AVX512_VNNI or "
-                    "AVX512_BF16"),
+    "greedy_head": ("greedy_head_fast", (), _NO_VEC),
     # The portable code runs anywhere but slower than a float GEMM: GGUF block weights are
     # dequantized to the model's dtype where the fast code is missing.
     "quant_gemm": ("quant_gemm_fast", (), "this CPU (or compiler) lacks AVX512_VNNI: GGUF "

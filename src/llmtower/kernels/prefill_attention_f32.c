@@ -1,5 +1,5 @@
-/* Causal self-attention of a fresh prefill chunk in float32 with AVX-512 (the float32 sibling
- * of prefill_attention.c).
+/* Causal self-attention of a fresh prefill chunk in float32 on vec.h's vector layer (AVX-512,
+ * AVX2 + FMA, NEON; the float32 sibling of prefill_attention.c).
  *
  *   q   : [n, num_heads, head_dim]     rows q_stride elements apart, heads and dims contiguous
  *   k, v: [n, num_kv_heads, head_dim]  rows k_stride / v_stride apart, likewise
@@ -19,44 +19,57 @@
  *      in order; the output is that sum divided by the exp sum.
  *
  * Every operation is float32 (no narrower rounding anywhere); the results differ from SDPA's
- * in summation order and in exp's last bits (vec_exp.h's, glibc's expf). Work units go largest first (later query blocks
- * see more keys) to OpenMP threads. Built only where the compiler targets AVX-512
- * (prefill_f32_supported() says whether it was); elsewhere the caller keeps SDPA.
+ * in summation order and in exp's last bits (vec_exp.h's, glibc's expf). Work units go largest
+ * first (later query blocks see more keys) to OpenMP threads. The passes' sizes above are
+ * AVX-512's (16 lanes); AVX2 takes 6 rows x 16 keys and 4 rows x 16 dims per pass, NEON 8 x 8
+ * and 4 x 16 (the registers: vec.h's VEC_LANES and 16 or 32 of them). Built where vec.h has a
+ * vector layer (prefill_f32_supported() says whether it was); elsewhere the caller keeps SDPA.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "threads.h"
-#include "vec_exp.h"
+#include "vec.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if VEC_FAST
 #define PREFILL_F32_OK 1
 
-enum { QB = 16, SR = 8, VR = 4 }; /* query rows per unit; rows per score / value pass */
+/* query rows per unit; rows per score pass (2 vectors of keys each) / value pass, and vectors
+ * of dims per value pass: sized to the registers (AVX-512, NEON: 32, 8 x 2 + 3 and 4 x 4 + 5;
+ * AVX2: 16, 6 x 2 + 3 and 4 x 2 + 3) */
+#define QB 16
+#define VR 4
+#if VEC_LANES == 16 || defined(__aarch64__)
+#define SR 8
+#define VN 4
+#else
+#define SR 6
+#define VN 2
+#endif
+#define L VEC_LANES
 
-/* sc[r * ld + j .. +32) = scale * sum_d q_r[d] * kt[d * npad + j ..] for R rows (NV: 1 or 2
- * vectors of 16 keys). */
+/* sc[r * ld + j .. +2L) = scale * sum_d q_r[d] * kt[d * npad + j ..] for R rows (NV: 1 or 2
+ * vectors of L keys). */
 static inline __attribute__((always_inline)) void score_pass(
         const float *q, int64_t qs, const int R, const float *kt, int64_t npad, int64_t d,
         int64_t j, const int NV, float scale, float *sc, int64_t ld) {
-    __m512 a[SR][2];
-    for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
+    vf a[SR][2];
+    for (int r = 0; r < R; r++) { a[r][0] = vf_zero(); a[r][1] = vf_zero(); }
     for (int64_t dd = 0; dd < d; dd++) {
         const float *kr = kt + dd * npad + j;
-        const __m512 k0 = _mm512_loadu_ps(kr);
-        const __m512 k1 = NV > 1 ? _mm512_loadu_ps(kr + 16) : k0;
+        const vf k0 = vf_load(kr);
+        const vf k1 = NV > 1 ? vf_load(kr + L) : k0;
         for (int r = 0; r < R; r++) {
-            const __m512 qb = _mm512_set1_ps(q[r * qs + dd]);
-            a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
-            if (NV > 1) a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
+            const vf qb = vf_set1(q[r * qs + dd]);
+            a[r][0] = vf_fma(qb, k0, a[r][0]);
+            if (NV > 1) a[r][1] = vf_fma(qb, k1, a[r][1]);
         }
     }
-    const __m512 s = _mm512_set1_ps(scale);
+    const vf s = vf_set1(scale);
     for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(sc + r * ld + j, _mm512_mul_ps(a[r][0], s));
-        if (NV > 1) _mm512_storeu_ps(sc + r * ld + j + 16, _mm512_mul_ps(a[r][1], s));
+        vf_store(sc + r * ld + j, vf_mul(a[r][0], s));
+        if (NV > 1) vf_store(sc + r * ld + j + L, vf_mul(a[r][1], s));
     }
 }
 
@@ -66,34 +79,37 @@ static inline __attribute__((always_inline)) void score_pass(
 
 static void scores(const float *q, int64_t qs, int rows, const float *kt, int64_t npad,
                    int64_t d, int64_t kpad, float scale, float *sc, int64_t ld) {
-    for (int64_t j = 0; j < kpad; j += 32) {
-        const int two = j + 16 < kpad;
+    for (int64_t j = 0; j < kpad; j += 2 * L) {
+        const int two = j + L < kpad;
         switch (rows) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
-            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+            SCORE_CASE(5) SCORE_CASE(6)
+#if SR > 6
+            SCORE_CASE(7) SCORE_CASE(8)
+#endif
             default: break;
         }
     }
 }
 
-/* out_r[dc .. dc + 16 NV) = sum_{j < kend} p_r[j] * v[j][dc ..] / sums[r] for R rows. */
+/* out_r[dc .. dc + L NV) = sum_{j < kend} p_r[j] * v[j][dc ..] / sums[r] for R rows. */
 static inline __attribute__((always_inline)) void value_pass(
         const float *p, int64_t ld, const int R, const float *v, int64_t vs, int64_t kend,
         const int NV, const float *sums, float *out, int64_t os) {
-    __m512 a[VR][4];
+    vf a[VR][4];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < NV; i++) a[r][i] = _mm512_setzero_ps();
+        for (int i = 0; i < NV; i++) a[r][i] = vf_zero();
     for (int64_t j = 0; j < kend; j++) {
-        __m512 vb[4];
-        for (int i = 0; i < NV; i++) vb[i] = _mm512_loadu_ps(v + j * vs + 16 * i);
+        vf vb[4];
+        for (int i = 0; i < NV; i++) vb[i] = vf_load(v + j * vs + L * i);
         for (int r = 0; r < R; r++) {
-            const __m512 pb = _mm512_set1_ps(p[r * ld + j]);
-            for (int i = 0; i < NV; i++) a[r][i] = _mm512_fmadd_ps(pb, vb[i], a[r][i]);
+            const vf pb = vf_set1(p[r * ld + j]);
+            for (int i = 0; i < NV; i++) a[r][i] = vf_fma(pb, vb[i], a[r][i]);
         }
     }
     for (int r = 0; r < R; r++) {
-        const __m512 s = _mm512_set1_ps(sums[r]);
-        for (int i = 0; i < NV; i++) _mm512_storeu_ps(out + r * os + 16 * i, _mm512_div_ps(a[r][i], s));
+        const vf s = vf_set1(sums[r]);
+        for (int i = 0; i < NV; i++) vf_store(out + r * os + L * i, vf_div(a[r][i], s));
     }
 }
 
@@ -125,24 +141,21 @@ static void unit(const float *q, int64_t qs, const float *kt, const float *v, in
         for (int r = 0; r < rows; r++) {
             float *s = sc + r * npad;
             const int64_t valid = r0 + r + 1; /* keys 0 .. r0 + r */
-            __m512 mx = _mm512_set1_ps(-INFINITY);
+            vf mx = vf_set1(-INFINITY);
             int64_t j = 0;
-            for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-            const __mmask16 tail = (__mmask16)((1u << (valid - j)) - 1);
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-            __m512 sum = _mm512_setzero_ps();
-            for (j = 0; j < kpad; j += 16) {
-                __mmask16 live = j + 16 <= valid ? 0xffff
-                    : j < valid ? (__mmask16)((1u << (valid - j)) - 1) : 0;
-                __m512 e = _mm512_maskz_mov_ps(live, exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
-                _mm512_storeu_ps(s + j, e);
-                sum = _mm512_add_ps(sum, e);
+            for (; j + L <= valid; j += L) mx = vf_max(mx, vf_load(s + j));
+            mx = vf_max(mx, vf_load_n(s + j, valid - j, -INFINITY));
+            const vf m = vf_set1(vf_reduce_max(mx));
+            vf sum = vf_zero();
+            for (j = 0; j < kpad; j += L) {
+                const vf e = vf_keep_n(vf_exp_nonpos(vf_sub(vf_load(s + j), m)), valid - j);
+                vf_store(s + j, e);
+                sum = vf_add(sum, e);
             }
-            sums[r] = _mm512_reduce_add_ps(sum);
+            sums[r] = vf_reduce_add(sum);
         }
-        for (int64_t dc = 0; dc < d; dc += 64) {
-            const int nv = (int)((d - dc) / 16 < 4 ? (d - dc) / 16 : 4);
+        for (int64_t dc = 0; dc < d; dc += VN * L) {
+            const int nv = (int)((d - dc) / L < VN ? (d - dc) / L : VN);
             for (int rr = 0; rr < rows; rr += VR)
                 values(sc + rr * npad, npad, rows - rr < VR ? rows - rr : VR, v + kh * d + dc, vs,
                        r0 + rr + (rows - rr < VR ? rows - rr : VR), nv, sums + rr,

@@ -2,8 +2,8 @@
 
 ``prefill_attention_f32(q, k, v, out, scale, num_threads)`` checks every shape, dtype and
 layout the C code trusts, then calls it (ctypes releases the GIL). Where it cannot run (no
-compiler, or a CPU without AVX-512: ``ops.capabilities()``, kernel ``prefill_f32``), callers keep
-PyTorch's SDPA.
+compiler, or a build without vec.h's vector layer, LLMTOWER_CPU_ISA=v2: ``ops.capabilities()``,
+kernel ``prefill_f32``), callers keep PyTorch's SDPA.
 """
 from __future__ import annotations
 
