@@ -13,8 +13,8 @@ from llmtower.sim.workload import TraceRequest
 
 def test_single_request_latency_matches_the_roofline_by_hand():
     m = model("llama-3-8b")
-    P, O = 200, 5
-    res = simulate([TraceRequest(0.0, P, O)], device=ROUND_DEVICE, model=m,
+    n_in, n_out = 200, 5
+    res = simulate([TraceRequest(0.0, n_in, n_out)], device=ROUND_DEVICE, model=m,
                    enable_prefix_caching=False)
     # Llama-3-8B by hand: per layer q,o = 4096*4096 each, k,v = 4096*1024 each,
     # MLP 3*4096*14336; LM head 128256*4096; bf16; KV per token 2*32*8*128*2 bytes.
@@ -31,13 +31,13 @@ def test_single_request_latency_matches_the_roofline_by_hand():
         memory = (weights_read + (kv_read + tokens) * kv_per_token) / bw
         return 0.001 + max(compute, memory)
 
-    prefill = step(P, P * (P + 1) // 2, P)
-    decodes = [step(1, P + k, P + k) for k in range(1, O)]
+    prefill = step(n_in, n_in * (n_in + 1) // 2, n_in)
+    decodes = [step(1, n_in + k, n_in + k) for k in range(1, n_out)]
     r = res.requests
     assert r["ttft"][0] == pytest.approx(prefill, rel=1e-9)
     assert r["e2e"][0] == pytest.approx(prefill + sum(decodes), rel=1e-9)
-    assert r["output_tokens"][0] == O
-    assert res.summary["tpot_ms"]["mean"] == pytest.approx(1000 * sum(decodes) / (O - 1), rel=1e-9)
+    assert r["output_tokens"][0] == n_out
+    assert res.summary["tpot_ms"]["mean"] == pytest.approx(1000 * sum(decodes) / (n_out - 1), rel=1e-9)
 
 
 def test_memory_bound_decode_step_grows_with_the_kv_bytes_read():

@@ -73,7 +73,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
     assert "--tensor-parallel-size" in capsys.readouterr().err
 
 
-def test_a_saved_trace_replays_to_the_same_result(tmp_path, capsys):
+def test_a_saved_trace_replays_to_the_same_result(tmp_path):
     trace = tmp_path / "t.jsonl"
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     assert main(SMALL + ["--num-prefix-groups", "3", "--save-trace", str(trace),
