@@ -148,7 +148,11 @@ def main() -> None:
     if args.vllm_python and Path(args.vllm_python).is_file() and Path(args.hf_model).is_dir():
         peers.append(("vllm serve (defaults: bfloat16)",
                       [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                       args.hf_model, "--port", "{port}"], {}))
+                       args.hf_model, "--port", "{port}",
+                       # vLLM's CPU backend reserves this share of the NUMA node's memory at
+                       # start and refuses to start when page cache (the model files) keeps
+                       # less free; half is far more KV cache than 64 requests need
+                       "--gpu-memory-utilization", "0.5"], {}))
     else:
         print(f"vllm serve skipped: no venv python at {args.vllm_python!r} or no model folder "
               f"at {args.hf_model!r}")

@@ -9,13 +9,18 @@ while one thread (no barriers) kept 18. So:
 - ``available_cpus()``: the default thread count is what this process may use: its CPU
   affinity (``sched_getaffinity``, e.g. ``taskset`` or a cpuset), capped by the cgroup's CPU
   quota (containers' ``--cpus``), not the machine's core count;
-- ``ThreadGovernor``: between steps (at most every ``interval_s``) it samples how many other
-  tasks are runnable (``/proc/loadavg``'s running count less this process's own running
-  threads), smooths it, and sets the thread count to the CPUs left free, at least one: a
-  neighbour gets its core, and we keep a fair share instead of collapsing. When the neighbour
-  leaves, the threads come back. The smoothing follows the clock (a time constant, not a
-  number of samples), so the first step after an idle spell, or after one long collapsed
-  step, acts on what it sees at once;
+- ``ThreadGovernor``: between steps (at most every ``interval_s``) it measures how much CPU
+  other tasks used on our CPUs since its last look (``/proc/stat``'s busy time on the CPUs
+  of our affinity less this process's own CPU time), smooths it, and sets the thread count
+  to the CPUs left free, at least one: a neighbour gets its core, and we keep a fair share
+  instead of collapsing. When the neighbour leaves, the threads come back. CPU *used*, not
+  tasks *runnable*: the API process and a local client wake at every step's outputs, so a
+  look at the step's start finds them runnable nearly every time, yet together they use a
+  tenth of a core; counted as a neighbour they cost the served engine a thread (1.4x served
+  tok/s on 2 cores, docs/performance.md). A neighbour that shares our cores takes at least
+  its fair share of them (2/3 of a core beside our two threads on two cores). The smoothing
+  follows the clock (a time constant, not a number of samples), so the first step after an
+  idle spell, or after one long collapsed step, acts on what it saw over that time;
 - ``resolve_cpu_bind``/``bind_threads``: ``--cpu-bind`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``)
   pins OpenMP thread i to the i-th CPU of a list, for hosts whose cores are the engine's alone.
 
@@ -67,33 +72,38 @@ def available_cpus() -> int:
     return max(1, n)
 
 
-def _running_total() -> int | None:
-    """Runnable tasks on the machine right now (the 4th field of /proc/loadavg: R/T)."""
+_BUSY_FIELDS = slice(0, 7)  # /proc/stat: user nice system idle iowait irq softirq (steal...)
+_IDLE, _IOWAIT = 3, 4
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Others using this much of a core take it from us. A busy neighbour beside N threads on N
+# cores gets N/(N+1) >= 2/3 of one; the API process and a local client, waking at every step,
+# use about a tenth together.
+_CORE_TAKEN = 0.4
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """CPU time spent busy on ``cpus`` since boot, by any task (``/proc/stat``'s per-CPU
+    user + nice + system + irq + softirq; steal is the hypervisor's, not a neighbour's)."""
+    busy = 0
     try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *fields = line.split()
+                if int(name[3:]) in cpus:
+                    v = [int(x) for x in fields[_BUSY_FIELDS]]
+                    busy += sum(v) - v[_IDLE] - v[_IOWAIT]
     except (OSError, ValueError, IndexError):
         return None
+    return busy / _CLOCK_TICKS
 
 
-def _own_running() -> int:
-    """This process's threads that are runnable now (OpenMP workers still spinning count)."""
-    n = 0
-    try:
-        for task in os.scandir("/proc/self/task"):
-            try:
-                with open(f"{task.path}/stat", "rb") as f:
-                    # The state follows the parenthesised command name.
-                    if f.read().rsplit(b")", 1)[1][1:2] == b"R":
-                        n += 1
-            except (OSError, IndexError):
-                continue
-    except OSError:
-        return 0
-    return n
-
-
-_IDLE_LOOKS = 3  # looks at the first step after an idle spell (see before_step)
+def _cpu_seconds(cpus: set[int]) -> tuple[float, float] | None:
+    """(busy seconds on ``cpus`` by anyone, this process's own CPU seconds), both since boot
+    or process start: two readings a while apart give what others used in between."""
+    busy = _busy_seconds(cpus)
+    return None if busy is None else (busy, time.process_time())
 
 
 class ThreadGovernor:
@@ -117,14 +127,17 @@ class ThreadGovernor:
         if bind:
             _bind_library()  # at startup: without a C compiler --cpu-bind fails here, clearly
         self.threads = self.max_threads
-        self.others = 0.0  # smoothed count of other runnable tasks on our CPUs
+        self.others = 0.0  # smoothed cores that other tasks used on our CPUs
         self.num_changes = 0
         self._next = 0.0
         self._last_sample: float | None = None
+        self._last_reading: tuple[float, float] | None = None
         self._bound = 0  # team size the pinning was last applied to (0: not yet)
-        # Tasks on CPUs we may not use are not our competition.
-        self._outside = max(0, (os.cpu_count() or 1) - available_cpus())
-        self.enabled = adaptive and _running_total() is not None
+        self._cpus = set(affinity())
+        # Under a cgroup quota smaller than the affinity, others may keep the CPUs beyond the
+        # quota busy without taking anything from us.
+        self._outside = max(0, len(self._cpus) - available_cpus())
+        self.enabled = adaptive and _cpu_seconds(self._cpus) is not None
 
     def before_step(self) -> int:
         """Adjust the thread count if it is time to look; returns the count to use."""
@@ -136,30 +149,26 @@ class ThreadGovernor:
         if now < self._next:
             return self.threads
         self._next = now + self.interval_s
-        dt = None if self._last_sample is None else now - self._last_sample
-        # After an idle spell the one look decides alone: take the least of a few looks 0.5 ms
-        # apart, so that the API process that just handed us the request (still runnable for
-        # a moment) is not taken for a neighbour; a busy neighbour is runnable in all of them.
-        looks = _IDLE_LOOKS if dt is None or dt > 5 * self.interval_s else 1
-        seen = []
-        for i in range(looks):
-            if i:
-                time.sleep(0.0005)
-            total = _running_total()
-            if total is None:
-                return self.threads
-            seen.append(max(0, total - _own_running() - self._outside))
-        self._last_sample = now
-        self.observe(min(seen), dt)
+        reading = _cpu_seconds(self._cpus)
+        if reading is None:
+            return self.threads
+        if self._last_sample is not None and self._last_reading is not None:
+            dt = now - self._last_sample
+            busy = reading[0] - self._last_reading[0]
+            own = reading[1] - self._last_reading[1]
+            if dt > 0:  # cores the others used meanwhile
+                self.observe(max(0.0, (busy - own) / dt - self._outside), dt)
+        self._last_sample, self._last_reading = now, reading
         return self.threads
 
     def observe(self, others: float, dt: float | None = None) -> None:
-        """Take one sample of other runnable tasks, ``dt`` seconds after the previous one, and
-        set the thread count from it. The longer since the last look, the more the new sample
+        """Take one sample of the cores other tasks used, ``dt`` seconds after the previous
+        one, and set the thread count from it. The longer since the last look, the more the new sample
         counts: after an idle spell (or one step that took a second) it decides alone."""
         alpha = self.smoothing if dt is None else 1.0 - math.exp(-dt / self.time_constant_s)
         self.others += alpha * (others - self.others)
-        want = max(1, min(self.max_threads, round(self.max_threads - self.others)))
+        want = max(1, min(self.max_threads,
+                          self.max_threads - math.floor(self.others + 1.0 - _CORE_TAKEN)))
         if want != self.threads:
             self.threads = want
             self.num_changes += 1
