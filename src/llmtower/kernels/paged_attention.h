@@ -1,5 +1,6 @@
 /* What the paged decode-attention kernels share (paged_attention.c: one query row per request;
  * paged_attention_grouped.c: the AVX-512 grouped-query path both entry points use;
+ * paged_attention_vec.c: paged_decode's grouped path on vec.h where AVX-512 is missing;
  * paged_attention_mq.c: several query rows per request): the job description and the grouped
  * path's entry. See paged_attention.c for the layouts. */
 #ifndef LLMTOWER_PAGED_ATTENTION_H
