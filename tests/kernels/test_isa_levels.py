@@ -90,6 +90,43 @@ def test_vector_layer_neon_under_qemu_matches_plain_c(tmp_path):
     assert out.startswith("neon lanes=4 fast=1 int=1") and "failures=0" in out
 
 
+def _attention_check(cmd: list[str], compiler: str, out: Path, *flags: str) -> str:
+    """attention_check.c built with the decode-attention sources, run; its output."""
+    sources = [HERE / "attention_check.c",
+               *(KERNELS / f for f in ("paged_attention.c", "paged_attention_vec.c",
+                                       "paged_attention_grouped.c", "lib_init.c"))]
+    subprocess.run([compiler, *flags, "-O2", "-fopenmp", "-fno-math-errno", f"-I{KERNELS}",
+                    *map(str, sources), "-o", str(out), "-lm"], check=True, capture_output=True,
+                   text=True, timeout=300)
+    proc = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_decode_attention_neon_under_qemu_matches_float64(tmp_path):
+    """paged decode attention built for aarch64 (its NEON grouped path, paged_attention_vec.c)
+    under user-mode emulation, against a float64 reference: float32 and bfloat16, sliding
+    windows, scattered blocks, the head sizes it takes and one it leaves to the portable loop."""
+    missing = [t for t in (AARCH64_CC, QEMU) if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (Debian: apt-get install "
+                    "gcc-aarch64-linux-gnu qemu-user)")
+    out = _attention_check([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC,
+                           tmp_path / "attention_check")
+    assert out.strip().endswith("failures=0")
+
+
+@pytest.mark.parametrize("level", ["v2", "v3"])
+def test_decode_attention_at_x86_levels_matches_float64(tmp_path, level):
+    """The same check built for x86-64-v2 (the portable loop) and v3 (the AVX2 grouped path)."""
+    if "avx2" not in cpu_info().flags or not _runs_here(level):
+        pytest.skip(f"this CPU cannot run x86-64-{level} code")
+    if shutil.which(CC) is None:
+        pytest.skip(f"no C compiler {CC!r}")
+    out = _attention_check([], CC, tmp_path / "attention_check", f"-march=x86-64-{level}")
+    assert out.strip().endswith("failures=0")
+
+
 # The levels whose kernel tests run (a library build and ~30 s of tests each on a quiet 2-core
 # machine): v3, the AVX2 path no CI machine of ours takes otherwise, unless
 # LLMTOWER_TEST_ISA_LEVELS names others ("v2 v3 v4": every level, as a separate CI step).

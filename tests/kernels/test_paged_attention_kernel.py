@@ -241,6 +241,7 @@ def _bf16_close(out, q, k_cache, v_cache, tables, ctx, scale):
     (14, 2, 48),   # grouped path, D a multiple of 16 but not of 32 (bfloat16 widens the keys)
     (16, 2, 128),  # grouped path, vdpbf16ps over 4 pairs of 32 dims
     (4, 1, 256),   # the largest head the grouped path takes
+    (14, 2, 96),   # AVX2 / NEON vector path: 7 heads per KV head weighed 3 + 3 + 1, 3 x 32 dims
     (4, 2, 272),   # larger: the per-request path
 ])
 def test_grouped_decode_head_sizes(dtype, heads, kv_heads, head_dim):

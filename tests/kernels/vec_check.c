@@ -89,6 +89,19 @@ int main(void) {
             if (fabsf(got - sum) > 1e-5f * (1.0f + fabsf(sum)) && failures++ < 20)
                 printf("FAIL reduce_add[%d]: got %.9g want %.9g\n", i, got, sum);
         }
+        /* VEC_LANES vectors (rows of a, b, c, h's widening, wrapped) folded to their sums */
+        {
+            vf tile[VEC_LANES];
+            float sums[VEC_LANES];
+            for (int l = 0; l < VEC_LANES; l++) tile[l] = vf_load(a + (l * 5 * VEC_LANES) % N);
+            vf_store(sums, vf_sum_tile(tile));
+            for (int l = 0; l < VEC_LANES; l++) {
+                float want = 0.0f;
+                for (int e = 0; e < VEC_LANES; e++) want += a[(l * 5 * VEC_LANES) % N + e];
+                if (fabsf(sums[l] - want) > 1e-5f * (1.0f + fabsf(want)) && failures++ < 20)
+                    printf("FAIL sum_tile[%d]: got %.9g want %.9g\n", l, sums[l], want);
+            }
+        }
     }
     /* the integer pair products (the greedy screen's): int8 weights x int16 pairs, summed in
      * int32 exactly, against plain C */

@@ -15,7 +15,7 @@
  * widened on load and rounded to nearest-even on the final store, as PyTorch's CPU SDPA does).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
  * (With AVX-512 and grouped-query heads the grouped path, paged_attention_grouped.c, runs
- * instead; several query rows per request: paged_attention_mq.c.)
+ * instead; with AVX2 or NEON paged_attention_vec.c; several query rows per request: paged_attention_mq.c.)
  * One request at a time per thread: scores for all heads (keys read block by block, slot by
  * slot, so memory is walked forwards), an exact softmax (max, then exp and sum), then the
  * values weighted by the scores. Requests are shared out to num_threads OpenMP threads: loaded
@@ -47,35 +47,10 @@ static inline __attribute__((always_inline)) void prefetch_next_block(
         __builtin_prefetch(next + b);
 }
 
-#if VEC_FAST && !defined(PAGED_GQA)
-/* Where the grouped AVX-512 path does not run but vec.h has a vector layer (AVX2, NEON), the
- * softmax takes vf_exp_nonpos (libm's expf of max(x, -87.3), a vector at a time): with libm's
- * expf lane by lane it was ~a sixth of a SmolLM2 layer call at v3. (A grouped vector path with
- * register-held value accumulators, walking V once per KV head and 16-dim slice, measured 1.45x
- * slower than this one: the slices' strided passes lose the contiguous row walk.) */
+#ifdef PAGED_VEC
+/* head sizes paged_attention_vec.c does not take: the portable loop, its softmax a vector at a
+ * time (with libm's expf lane by lane it was ~a sixth of a SmolLM2 layer call at v3) */
 #define SOFTMAX softmax_vec
-/* softmax_row's numerators and sum, a vector at a time (the tail lane by lane, alike) */
-static inline float softmax_vec(float *s, int64_t len) {
-    vf mx = vf_set1(-INFINITY);
-    int64_t p = 0;
-    for (; p + VEC_LANES <= len; p += VEC_LANES) mx = vf_max(mx, vf_load(s + p));
-    const float m = vf_reduce_max(vf_max(mx, vf_load_n(s + p, len - p, -INFINITY)));
-    const vf mv = vf_set1(m);
-    vf sum = vf_zero();
-    for (p = 0; p + VEC_LANES <= len; p += VEC_LANES) {
-        const vf e = vf_exp_nonpos(vf_sub(vf_load(s + p), mv));
-        vf_store(s + p, e);
-        sum = vf_add(sum, e);
-    }
-    float total = vf_reduce_add(sum);
-    for (; p < len; p++) {
-        const float x = s[p] - m;
-        s[p] = expf(x > -87.3f ? x : -87.3f);
-        total += s[p];
-    }
-    return total;
-}
-
 #else
 #define SOFTMAX softmax_row
 #endif
@@ -157,6 +132,10 @@ int paged_decode_window(const void *q, int64_t q_stride, const void *k_cache, co
         if (context_lens[r] < 1) return -2;
         if (context_lens[r] > j.max_context) j.max_context = context_lens[r];
     }
+#ifdef PAGED_VEC
+    if (head_dim % 32 == 0 && head_dim <= 256 && num_kv_heads > 0 && num_heads % num_kv_heads == 0)
+        return paged_decode_vec(&j, dtype, num_threads) ? -1 : 0;
+#endif
 #ifdef PAGED_GQA
     if (head_dim % 16 == 0 && head_dim <= 256 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
         num_heads > num_kv_heads) /* without grouping, attend's contiguous slot rows win */

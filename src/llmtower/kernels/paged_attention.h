@@ -1,5 +1,6 @@
 /* What the paged decode-attention kernels share (paged_attention.c: one query row per request;
  * paged_attention_grouped.c: the AVX-512 grouped-query path both entry points use;
+ * paged_attention_vec.c: paged_decode's grouped path on vec.h where AVX-512 is missing;
  * paged_attention_mq.c: several query rows per request): the job description and the grouped
  * path's entry. See paged_attention.c for the layouts. */
 #ifndef LLMTOWER_PAGED_ATTENTION_H
@@ -11,6 +12,7 @@
 #include <string.h>
 #include "bf16.h"
 #include "threads.h"
+#include "vec.h"
 
 typedef struct {
     const void *q, *k, *v; /* float or uint16_t (bfloat16) elements */
@@ -63,6 +65,34 @@ static inline __attribute__((always_inline)) void store_row(void *out, int64_t o
 /* The grouped path's loop (paged_attention_grouped.c) for the units of `j`, whose requests have
  * at most max_rows query rows; returns nonzero when scratch could not be had. */
 int paged_decode_grouped(const Job *j, int64_t max_rows, int dtype, int num_threads);
+#elif VEC_FAST
+#define PAGED_VEC 1
+/* softmax_row's numerators and sum on vec.h: vf_exp_nonpos (libm's expf of max(x, -87.3)), a
+ * vector at a time, the tail lane by lane alike */
+static inline float softmax_vec(float *s, int64_t len) {
+    vf mx = vf_set1(-INFINITY);
+    int64_t p = 0;
+    for (; p + VEC_LANES <= len; p += VEC_LANES) mx = vf_max(mx, vf_load(s + p));
+    const float m = vf_reduce_max(vf_max(mx, vf_load_n(s + p, len - p, -INFINITY)));
+    const vf mv = vf_set1(m);
+    vf sum = vf_zero();
+    for (p = 0; p + VEC_LANES <= len; p += VEC_LANES) {
+        const vf e = vf_exp_nonpos(vf_sub(vf_load(s + p), mv));
+        vf_store(s + p, e);
+        sum = vf_add(sum, e);
+    }
+    float total = vf_reduce_add(sum);
+    for (; p < len; p++) {
+        const float x = s[p] - m;
+        s[p] = expf(x > -87.3f ? x : -87.3f);
+        total += s[p];
+    }
+    return total;
+}
+
+/* paged_decode's loop on the vector layer (paged_attention_vec.c) for head sizes that are a
+ * multiple of 32 up to 256; returns nonzero when scratch could not be had. */
+int paged_decode_vec(const Job *j, int dtype, int num_threads);
 #endif
 
 #endif

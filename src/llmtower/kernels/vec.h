@@ -11,6 +11,9 @@
  *   vf_add / vf_mul / vf_max
  *   vf_reduce_add           the lanes' sum (in a fixed order per ISA; not across ISAs)
  *   vf_reduce_max           the lanes' maximum
+ *   vf_sum_tile(v)          lane l = the sum of v[l]'s lanes, for VEC_LANES vectors v[0..]
+ *                           (VEC_LANES dot products' partials folded at once: a transpose-add
+ *                           tree on AVX2 / NEON, ~1 instruction per sum instead of ~5)
  *   vf_sub / vf_div
  *   vf_load_n(p, n, fill)   lanes < n from p (no lane past them is read), the rest fill
  *   vf_keep_n(v, n)         lanes < n of v, the rest 0
@@ -103,6 +106,14 @@ static inline float vf_reduce_max(vf v) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
+#define VF_SUM_TILE 1
+static inline vf vf_sum_tile(const vf *v) {
+    /* hadd pairs within each 128-bit half, twice; then each half's partial sums of lanes 0-3
+     * and 4-7 of every input are added across the halves */
+    const vf a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const vf b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
 
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 #include <arm_neon.h>
@@ -138,6 +149,10 @@ static inline float vf_reduce_add(vf v) {  /* (l0 + l2) + (l1 + l3), as the plai
     return vget_lane_f32(h, 0) + vget_lane_f32(h, 1);
 }
 static inline float vf_reduce_max(vf v) { return vmaxvq_f32(v); }
+#define VF_SUM_TILE 1
+static inline vf vf_sum_tile(const vf *v) { /* pairwise adds: ((l0 + l1) + (l2 + l3)) */
+    return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+}
 
 #else
 #define VEC_ISA "c"
@@ -181,6 +196,14 @@ static inline float vf_reduce_add(vf v) { return (v.v[0] + v.v[2]) + (v.v[1] + v
 static inline float vf_reduce_max(vf v) {
     const float a = v.v[0] > v.v[2] ? v.v[0] : v.v[2], b = v.v[1] > v.v[3] ? v.v[1] : v.v[3];
     return a > b ? a : b;
+}
+#endif
+
+#ifndef VF_SUM_TILE
+static inline vf vf_sum_tile(const vf *v) { /* AVX-512, plain C: a reduction per vector */
+    float t[VEC_LANES];
+    for (int l = 0; l < VEC_LANES; l++) t[l] = vf_reduce_add(v[l]);
+    return vf_load(t);
 }
 #endif
 
