@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.output_processor import merge_metrics
@@ -21,6 +21,7 @@ from llmtower.server.protocol_completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from llmtower.server.sse_response import SSEResponse
 from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info,
@@ -108,9 +109,7 @@ class OpenAIServingCompletion(ServingBase):
         except StopAsyncIteration:  # pragma: no cover - every request yields at least once
             first = None
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, request_id, prompts, params.n, first, merged),
-                media_type="text/event-stream")
+            return SSEResponse(self._stream(req, request_id, prompts, params.n, first, merged))
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, prompts, params.n, first, merged))
