@@ -68,9 +68,8 @@ class SSEResponse(StreamingResponse):
                     "headers": self.raw_headers})
         charset = self.charset
         async for event in self.body_iterator:
-            await body_send({"type": "http.response.body",
-                             "body": event if isinstance(event, bytes) else event.encode(charset),
-                             "more_body": True})
+            body = event.encode(charset) if isinstance(event, str) else event
+            await body_send({"type": "http.response.body", "body": body, "more_body": True})
         await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
