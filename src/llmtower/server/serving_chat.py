@@ -244,6 +244,7 @@ class OpenAIServingChat(ServingBase):
         plain = (not req.return_token_ids and not req.continuous_usage and thinkers is None
                  and streamers is None)
         encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
+        metrics_on_last = req.include_metrics and not req.include_usage  # asked once
         try:
             while item is not None:
                 _, ro = item
@@ -281,8 +282,7 @@ class OpenAIServingChat(ServingBase):
                 if ro.finished:
                     final = ro
                 for k, choice in enumerate(choices):
-                    with_metrics = (ro.finished and k == len(choices) - 1
-                                    and req.include_metrics and not req.include_usage)
+                    with_metrics = metrics_on_last and ro.finished and k == len(choices) - 1
                     if isinstance(choice, dict):
                         if not with_metrics:
                             yield encoder.event(choice)

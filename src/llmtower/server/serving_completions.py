@@ -218,6 +218,9 @@ class OpenAIServingCompletion(ServingBase):
         item = first
         # Chunks of plain text (most of a stream) skip pydantic: stream_chunks.py.
         plain = not req.return_token_ids and not req.continuous_usage
+        # Asked once, not per chunk (properties of the request model).
+        echo_only = req.echo_only
+        metrics_on_last = req.include_metrics and not req.include_usage
         encoder = StreamChunkEncoder("text_completion", request_id, created,
                                      self.response_model(req.model))
 
@@ -245,7 +248,7 @@ class OpenAIServingCompletion(ServingBase):
                 choices: list[CompletionChoice | dict] = []
                 for c in ro.outputs:
                     k = i * n + c.index
-                    if req.echo_only:  # the one token the engine made is not returned
+                    if echo_only:  # the one token the engine made is not returned
                         if c.finish_reason is not None:
                             choices.append(CompletionChoice(index=k, text="",
                                                             finish_reason="length"))
@@ -271,8 +274,7 @@ class OpenAIServingCompletion(ServingBase):
                 if ro.finished:
                     finals.append(ro)
                 for j, choice in enumerate(choices):  # one choice per chunk, as OpenAI does
-                    with_metrics = (ro.finished and j == len(choices) - 1
-                                    and req.include_metrics and not req.include_usage)
+                    with_metrics = metrics_on_last and ro.finished and j == len(choices) - 1
                     if isinstance(choice, dict):
                         if not with_metrics:
                             yield encoder.event(choice)
