@@ -27,23 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict[str, str]:
+def env(src: str | None = None) -> dict[str, str]:
     # $LLMTOWER_SRC: another tree's sources (e.g. a baseline commit's) under the same scripts
-    src = os.environ.get("LLMTOWER_SRC") or str(ROOT / "src")
+    src = src or os.environ.get("LLMTOWER_SRC") or str(ROOT / "src")
     return {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
 
 
 class Server:
     """Owns one `llmtower serve` process group (API process + engine) and its log file."""
 
-    def __init__(self, args: list[str], profile: str | None = None) -> None:
+    def __init__(self, args: list[str], profile: str | None = None,
+                 src: str | None = None) -> None:
         self.port = free_port()
         self.log = Path(tempfile.mkstemp(prefix="llmtower-serve-", suffix=".log")[1])
         launcher = [PYTHON, "-m", "cProfile", "-o", profile] if profile else [PYTHON]
         cmd = [*launcher, "-m", "llmtower.cli.main", "serve", "--port", str(self.port),
                "--disable-log-stats", *args]
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(),
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(src),
                                          start_new_session=True)
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -60,8 +61,12 @@ class Server:
 
     def api_cpu_seconds(self) -> float:
         """User + system CPU seconds of the API process (its own, not the engine's)."""
+        return sum(self.api_cpu_times())
+
+    def api_cpu_times(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of the API process (all its threads)."""
         t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
+        return t.user, t.system
 
     def engine_cpu_seconds(self) -> float:
         total = 0.0

@@ -31,6 +31,7 @@ from llmtower.engine.core_proc import EngineFactory, default_engine_factory
 from llmtower.engine.dp_client import ENGINE_LOST, DPEngineCoreClient, merge_stats
 from llmtower.engine.input_processor import InputProcessor, load_generation_defaults
 from llmtower.engine.off_loop import OffLoopExecutor
+from llmtower.engine.output_box import OutputBox
 from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.metrics.prometheus import RequestParams, ServingMetrics
@@ -57,7 +58,7 @@ class _Tracked:
 
     def __init__(self, engine_ids: list[str], num_prompt_tokens: int,
                  params: RequestParams | None = None) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = OutputBox()
         self.engine_ids = engine_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.last_output_time = 0.0
@@ -364,31 +365,37 @@ class AsyncLLM:
         if processed.reqs_to_abort:  # stop strings: the engine must stop them now
             self.client.abort_requests_nowait(processed.reqs_to_abort)
         now = time.monotonic()
-        # Counters once per step (summed), histograms per request.
+        # Counters once per step (summed), histograms per request; the inter-token latencies
+        # by previous output time: streams that went out in one step share it (and the value).
         num_generated = sum(processed.step_tokens) + sum(processed.held_tokens)
         num_prompt = 0
+        previous: dict[float, int] = {}
         for tracked in processed.held_states:
             # Held back by --stream-interval: the metrics still move with this step.
-            if tracked.last_output_time:
-                metrics.record_inter_token_latency(now - tracked.last_output_time, engine)
+            last = tracked.last_output_time
+            if last:
+                previous[last] = previous.get(last, 0) + 1
             tracked.last_output_time = now
         for ro, tracked in zip(processed.request_outputs, processed.client_states):
+            sample_tokens = tracked.sample_tokens
             for c in ro.outputs:
-                tracked.sample_tokens[c.index] = tracked.sample_tokens.get(c.index, 0) + len(
-                    c.token_ids)
-            if tracked.last_output_time:
-                metrics.record_inter_token_latency(now - tracked.last_output_time, engine)
+                sample_tokens[c.index] = sample_tokens.get(c.index, 0) + len(c.token_ids)
+                if c.finish_reason is not None:
+                    metrics.record_finished(c.finish_reason, engine)
+            last = tracked.last_output_time
+            if last:
+                previous[last] = previous.get(last, 0) + 1
             else:
                 num_prompt += tracked.num_prompt_tokens
             tracked.last_output_time = now
-            for c in ro.outputs:
-                if c.finish_reason is not None:
-                    metrics.record_finished(c.finish_reason, engine)
             if ro.finished and ro.metrics is not None:
-                tracked.params.max_num_generation_tokens = max(tracked.sample_tokens.values(),
+                tracked.params.max_num_generation_tokens = max(sample_tokens.values(),
                                                                default=0)
                 metrics.record_request_timings(ro.metrics, engine, tracked.params)
             tracked.queue.put_nowait(ro)
+        if previous:
+            metrics.record_inter_token_latencies(
+                [(now - last, count) for last, count in previous.items()], engine)
         if num_prompt:
             metrics.record_prompt_tokens(num_prompt, engine)
         if num_generated:

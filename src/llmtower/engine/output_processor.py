@@ -67,19 +67,31 @@ class ParentRequest:
     def make_output(self) -> RequestOutput | None:
         if self.output_kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        completions = [c for c in (child.make_output() for child in self.children) if c]
-        if not completions:
-            return None
-        prompt_logprobs = next((c.prompt_logprobs for c in self.children
-                                if c.prompt_logprobs is not None), None)
+        children = self.children
+        if len(children) == 1:  # n = 1, most requests: no fan-in to do
+            only = children[0]
+            output = only.make_output()
+            if output is None:
+                return None
+            completions = [output]
+            prompt_logprobs = only.prompt_logprobs
+            metrics = only.metrics
+        else:
+            completions = [c for c in (child.make_output() for child in children) if c]
+            if not completions:
+                return None
+            prompt_logprobs = next((c.prompt_logprobs for c in children
+                                    if c.prompt_logprobs is not None), None)
+            metrics = merge_metrics([c.metrics for c in children]) if self.finished else None
         if self.output_kind is RequestOutputKind.DELTA:
             if self._prompt_logprobs_sent:
                 prompt_logprobs = None
             self._prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-            merge_metrics([c.metrics for c in self.children]) if self.finished else None,
-            max(c.num_cached_tokens for c in self.children), prompt_logprobs)
+            metrics if self.finished else None,
+            max(c.num_cached_tokens for c in children) if len(children) > 1
+            else children[0].num_cached_tokens, prompt_logprobs)
 
 
 class OutputProcessor:

@@ -32,6 +32,7 @@ from prometheus_client import (
 from llmtower.metrics.lora_info import LoRAInfoGauge
 from llmtower.core.outputs import RequestMetrics, SchedulerStats
 from llmtower.metrics import buckets
+from llmtower.metrics.histogram_batch import observe_repeated
 from llmtower.metrics.http import HTTPMetrics
 from llmtower.metrics.sliding_quantile import SlidingWindowQuantile
 
@@ -359,8 +360,12 @@ class ServingMetrics:
     def record_generation_tokens(self, n: int, engine: int = 0) -> None:
         self.engine(engine).generation_tokens.inc(n)
 
-    def record_inter_token_latency(self, seconds: float, engine: int = 0) -> None:
-        self.engine(engine).itl.observe(seconds)
+    def record_inter_token_latencies(self, counts: list[tuple[float, int]], engine: int = 0
+                                     ) -> None:
+        """Each ``(seconds, how many streams had that latency)`` of one step."""
+        itl = self.engine(engine).itl
+        for seconds, count in counts:
+            observe_repeated(itl, seconds, count)
 
     def record_finished(self, finish_reason: str, engine: int = 0) -> None:
         """One sample (sequence) ended: ``stop``, ``length`` or ``abort``."""

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmtower.engine.request_output import RequestOutput, SampleLogprobs
 from llmtower.server.access_log import note_prompt, note_tokens
@@ -27,6 +27,7 @@ from llmtower.server.protocol_chat import (
     continue_final_kwargs,
 )
 from llmtower.server.reasoning import ReasoningParser
+from llmtower.server.sse_response import SSEResponse
 from llmtower.server.stream_chunks import StreamChunkEncoder, chat_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, prompt_logprobs_json, sse,
@@ -130,9 +131,8 @@ class OpenAIServingChat(ServingBase):
             return Response(status_code=499)
         top_k = req.top_logprobs or 0
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, ids, params.n, top_k,
-                                                  first, stream, plan, reasoner),
-                                     media_type="text/event-stream")
+            return SSEResponse(self._stream(req, request_id, ids, params.n, top_k, first,
+                                            stream, plan, reasoner))
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, ids, params.n, top_k, first, stream,
@@ -244,6 +244,7 @@ class OpenAIServingChat(ServingBase):
         plain = (not req.return_token_ids and not req.continuous_usage and thinkers is None
                  and streamers is None)
         encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
+        metrics_on_last = req.include_metrics and not req.include_usage  # asked once
         try:
             while item is not None:
                 _, ro = item
@@ -281,8 +282,7 @@ class OpenAIServingChat(ServingBase):
                 if ro.finished:
                     final = ro
                 for k, choice in enumerate(choices):
-                    with_metrics = (ro.finished and k == len(choices) - 1
-                                    and req.include_metrics and not req.include_usage)
+                    with_metrics = metrics_on_last and ro.finished and k == len(choices) - 1
                     if isinstance(choice, dict):
                         if not with_metrics:
                             yield encoder.event(choice)

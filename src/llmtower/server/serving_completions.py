@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmtower.core.outputs import RequestMetrics
 from llmtower.engine.output_processor import merge_metrics
@@ -21,6 +21,7 @@ from llmtower.server.protocol_completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from llmtower.server.sse_response import SSEResponse
 from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info,
@@ -108,9 +109,7 @@ class OpenAIServingCompletion(ServingBase):
         except StopAsyncIteration:  # pragma: no cover - every request yields at least once
             first = None
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, request_id, prompts, params.n, first, merged),
-                media_type="text/event-stream")
+            return SSEResponse(self._stream(req, request_id, prompts, params.n, first, merged))
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, prompts, params.n, first, merged))
@@ -219,6 +218,9 @@ class OpenAIServingCompletion(ServingBase):
         item = first
         # Chunks of plain text (most of a stream) skip pydantic: stream_chunks.py.
         plain = not req.return_token_ids and not req.continuous_usage
+        # Asked once, not per chunk (properties of the request model).
+        echo_only = req.echo_only
+        metrics_on_last = req.include_metrics and not req.include_usage
         encoder = StreamChunkEncoder("text_completion", request_id, created,
                                      self.response_model(req.model))
 
@@ -246,7 +248,7 @@ class OpenAIServingCompletion(ServingBase):
                 choices: list[CompletionChoice | dict] = []
                 for c in ro.outputs:
                     k = i * n + c.index
-                    if req.echo_only:  # the one token the engine made is not returned
+                    if echo_only:  # the one token the engine made is not returned
                         if c.finish_reason is not None:
                             choices.append(CompletionChoice(index=k, text="",
                                                             finish_reason="length"))
@@ -272,8 +274,7 @@ class OpenAIServingCompletion(ServingBase):
                 if ro.finished:
                     finals.append(ro)
                 for j, choice in enumerate(choices):  # one choice per chunk, as OpenAI does
-                    with_metrics = (ro.finished and j == len(choices) - 1
-                                    and req.include_metrics and not req.include_usage)
+                    with_metrics = metrics_on_last and ro.finished and j == len(choices) - 1
                     if isinstance(choice, dict):
                         if not with_metrics:
                             yield encoder.event(choice)
