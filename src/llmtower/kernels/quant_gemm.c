@@ -445,20 +445,17 @@ static void cols16_any(int fmt, int prefetch, const uint8_t *w, int64_t row_byte
 }
 #endif
 
-/* y[r * ldy + j] = sum_i x_r[i] w_j[i] for the m rows of x quantized by quant_act and the n
- * rows of w (row_bytes each; Q4_0, Q4_1 or Q8_0). path 1: the portable code. Returns -1 for
- * another format (the K formats: quant_gemm_k) or a k the blocks do not divide. */
-int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t m,
-               const int8_t *qa, const float *da, const float *fa, const int32_t *ns, float *y,
-               int64_t ldy, int nthreads, int path) {
-    const int64_t bv = quant_block_values(fmt);
-    if (bv != 32 || k % bv) return -1;
-    const int64_t nb = k / bv, nbk = k / 32;
+/* quant_gemm's work for the calling thread of the enclosing team (its share of the weight
+ * rows; no barrier): quant_layer.c runs a layer's products in one parallel region. The format
+ * and k are the caller's to check (quant_gemm does). */
+void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                      int64_t m, const int8_t *qa, const float *da, const float *fa,
+                      const int32_t *ns, float *y, int64_t ldy, int path) {
+    const int64_t nb = k / 32, nbk = k / 32;
     const int fast = QG_FAST && path == 0;
     /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (cols16), the rest one by one */
     const int64_t n16 = fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
     (void)ns;
-#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
     {
         const int64_t t = kernel_thread(), team = kernel_team();
 #if QG_FAST
@@ -505,5 +502,17 @@ int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
             }
         }
     }
+}
+
+/* y[r * ldy + j] = sum_i x_r[i] w_j[i] for the m rows of x quantized by quant_act and the n
+ * rows of w (row_bytes each; Q4_0, Q4_1 or Q8_0). path 1: the portable code. Returns -1 for
+ * another format (the K formats: quant_gemm_k) or a k the blocks do not divide. */
+int quant_gemm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t m,
+               const int8_t *qa, const float *da, const float *fa, const int32_t *ns, float *y,
+               int64_t ldy, int nthreads, int path) {
+    const int64_t bv = quant_block_values(fmt);
+    if (bv != 32 || k % bv) return -1;
+#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
+    quant_gemm_share(fmt, w, row_bytes, n, k, m, qa, da, fa, ns, y, ldy, path);
     return 0;
 }

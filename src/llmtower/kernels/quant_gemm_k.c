@@ -307,9 +307,18 @@ int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
                  const int8_t *qa, const float *da, const int16_t *bs, float *y, int64_t ldy,
                  int nthreads, int path) {
     if (!is_k_format(fmt) || k % 256) return -1;
+#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
+    quant_gemm_k_share(fmt, w, row_bytes, n, k, m, qa, da, bs, y, ldy, path);
+    return 0;
+}
+
+/* quant_gemm_k's work for the calling thread of the enclosing team (its share of the weight
+ * rows; no barrier), for quant_layer.c's one region per layer; the caller checks fmt and k. */
+void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                        int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
+                        int64_t ldy, int path) {
     const int64_t nb = k / 256;
     const int fast = QG_FAST && path == 0;
-#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
     {
         const int64_t t = kernel_thread(), team = kernel_team();
         const int64_t j0 = n * t / team, j1 = n * (t + 1) / team;
@@ -335,5 +344,4 @@ int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
             }
         }
     }
-    return 0;
 }
