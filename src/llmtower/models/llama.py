@@ -38,7 +38,8 @@ from llmtower.models.layers.weights import (StateValue, Weight, WeightTaker, app
                                             fuse, packed)
 from llmtower.models.linear import PackedWeight, linear, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedLinear
-from llmtower.models.quant_block import BLOCK_KERNEL_MAX_ROWS, BlockEmbedding, BlockQuantLinear
+from llmtower.models import quant_block
+from llmtower.models.quant_block import BlockEmbedding, BlockQuantLinear
 from llmtower.models.layers.rotary import RotaryEmbedding
 
 # Names other modules import from here.
@@ -183,7 +184,7 @@ class LlamaForCausalLM:
         (``models/linear.py``'s dispatch), whose sums the fused decode layer repeats: float32
         gemm_f32; bfloat16 the few-row kernel, and above it gemm_bf16 (the same sums)."""
         if isinstance(self.decode_layers, QuantDecodeLayers):
-            return BLOCK_KERNEL_MAX_ROWS
+            return quant_block.BLOCK_KERNEL_MAX_ROWS
         if self.dtype != torch.bfloat16:
             return linear_mod.F32_KERNEL_MAX_ROWS
         if not ops.capabilities().can_run("gemm_bf16"):
