@@ -40,6 +40,7 @@ static inline int is_k_format(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K |
 void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
                  int16_t *bs) {
     const int64_t nb = k / 256;
+#pragma omp parallel for if (m >= 16) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
         for (int64_t b = 0; b < nb; b++) {
