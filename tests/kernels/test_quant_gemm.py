@@ -80,6 +80,12 @@ def test_k_activations_are_int8_per_256_with_sums_of_16():
     assert torch.equal(f.qa.view(3, 512).float(), want)
     assert torch.equal(f.bs.view(3, 32).int(), want.view(3, 32, 16).sum(-1).int())
     assert int(f.qa.abs().max()) <= 127
+    # Q4_K / Q5_K's form: each 256's sub-blocks of 32 in their nibble order, sums alike
+    n = quantize_activations(x).per256(nibble_order=True)
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    assert torch.equal(n.qa.view(3, 2, 8, 32), f.qa.view(3, 2, 8, 32)[:, :, order])
+    assert torch.equal(n.bs.view(3, 2, 8, 2), f.bs.view(3, 2, 8, 2)[:, :, order])
+    assert torch.equal(n.da, f.da)
     with pytest.raises(ValueError, match="multiples of 256"):
         quantize_activations(torch.zeros(1, 96)).per256()
 

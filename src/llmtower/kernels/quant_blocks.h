@@ -23,7 +23,7 @@ int64_t quant_block_bytes(int fmt);
 void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
                float *fa, int32_t *ns);
 void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
-                 int16_t *bs);
+                 int16_t *bs, int nibble_order);
 void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                       int64_t m, const int8_t *qa, const float *da, const float *fa,
                       const int32_t *ns, float *y, int64_t ldy, int path);

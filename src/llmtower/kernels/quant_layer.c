@@ -49,7 +49,7 @@ typedef struct {
  * (x, n [t, hidden]; g [t, 2 * inter]; y [t, inter]; qkv [t, qkv]; q_out [t, nh * d]) and the
  * activations' int8 forms for the largest k (kmax): per 32 values qa [t * kmax], da, fa
  * [t * kmax / 32], ns [t * kmax / 4]; per 256 qa_k [t * kmax], da_k [t * kmax / 256], bs_k
- * [t * kmax / 16]. */
+ * [t * kmax / 16]; qa_kn and bs_kn as qa_k and bs_k in Q4_K / Q5_K's nibble order. */
 typedef struct {
     int64_t t, hidden, inter, nh, nkv, d;
     float eps;
@@ -63,23 +63,31 @@ typedef struct {
     int8_t *qa_k;
     float *da_k;
     int16_t *bs_k;
+    int8_t *qa_kn; /* per 256 in Q4_K / Q5_K's nibble order (the same scales da_k) */
+    int16_t *bs_kn;
 } QuantStep;
 
 static inline int is_k(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K; }
+static inline int nibble_order(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K; }
 
 /* Row r of x (k values) in the int8 forms W's parts read (as quantize_activations does). */
 static inline void quantize_row(const QuantMatrix *W, const QuantStep *s, const float *x,
                                 int64_t r, int64_t k) {
-    int want32 = 0, want256 = 0;
+    int want32 = 0, want256 = 0, want256n = 0;
     for (int64_t p = 0; p < W->nparts; p++) {
-        if (is_k(W->fmt[p])) want256 = 1;
+        if (nibble_order(W->fmt[p])) want256n = 1;
+        else if (is_k(W->fmt[p])) want256 = 1;
         else want32 = 1;
     }
     if (want32)
         quant_act(x, 1, k, k, s->qa + r * k, s->da + r * (k / 32), s->fa + r * (k / 32),
                   s->ns + r * (k / 32) * 8);
     if (want256)
-        quant_act_k(x, 1, k, k, s->qa_k + r * k, s->da_k + r * (k / 256), s->bs_k + r * (k / 16));
+        quant_act_k(x, 1, k, k, s->qa_k + r * k, s->da_k + r * (k / 256), s->bs_k + r * (k / 16),
+                    0);
+    if (want256n)
+        quant_act_k(x, 1, k, k, s->qa_kn + r * k, s->da_k + r * (k / 256),
+                    s->bs_kn + r * (k / 16), 1);
 }
 
 /* y [t, ldy] = the quantized rows @ W.T, the region's threads sharing each part's weight rows;
@@ -87,9 +95,12 @@ static inline void quantize_row(const QuantMatrix *W, const QuantStep *s, const 
 static void product(const QuantMatrix *W, const QuantStep *s, int64_t k, float *y, int64_t ldy) {
     int64_t at = 0;
     for (int64_t p = 0; p < W->nparts; p++) {
-        if (is_k(W->fmt[p]))
-            quant_gemm_k_share(W->fmt[p], W->w[p], W->row_bytes[p], W->n[p], k, s->t, s->qa_k,
-                               s->da_k, s->bs_k, y + at, ldy, 0);
+        if (is_k(W->fmt[p])) {
+            const int nib = nibble_order(W->fmt[p]);
+            quant_gemm_k_share(W->fmt[p], W->w[p], W->row_bytes[p], W->n[p], k, s->t,
+                               nib ? s->qa_kn : s->qa_k, s->da_k, nib ? s->bs_kn : s->bs_k,
+                               y + at, ldy, 0);
+        }
         else
             quant_gemm_share(W->fmt[p], W->w[p], W->row_bytes[p], W->n[p], k, s->t, s->qa,
                              s->da, s->fa, s->ns, y + at, ldy, 0);

@@ -51,7 +51,7 @@ class QuantStep(ctypes.Structure):
                 ("d", _I64), ("eps", ctypes.c_float), ("num_threads", ctypes.c_int),
                 ("cos", _P), ("sin", _P), ("positions", _P), ("slots", _P)]
     _fields_ += [(n, _P) for n in ("x", "n", "g", "y", "qkv", "q_out", "qa", "da", "fa", "ns",
-                                   "qa_k", "da_k", "bs_k")]
+                                   "qa_k", "da_k", "bs_k", "qa_kn", "bs_kn")]
 
 
 class QuantAttention(ctypes.Structure):
@@ -170,10 +170,11 @@ class QuantDecodeLayers:
                 f(t, self.qkv_n), f(t, self.nh, self.d), torch.empty(km, dtype=torch.int8),
                 f(km // 32), f(km // 32), torch.empty(km // 4, dtype=torch.int32),
                 torch.empty(km, dtype=torch.int8), f(km // 256),
+                torch.empty(km // 16, dtype=torch.int16), torch.empty(km, dtype=torch.int8),
                 torch.empty(km // 16, dtype=torch.int16))
         self._bufs = bufs
         (s.x, s.n, s.g, s.y, s.qkv, s.q_out, s.qa, s.da, s.fa, s.ns, s.qa_k, s.da_k,
-         s.bs_k) = (b.data_ptr() for b in bufs)
+         s.bs_k, s.qa_kn, s.bs_kn) = (b.data_ptr() for b in bufs)
         s.t = t
         self._q = bufs[5]
         self._v = bufs[4][:, (self.nh + self.nkv) * self.d:].view(t, self.nkv, self.d)
