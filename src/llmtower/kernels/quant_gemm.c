@@ -212,11 +212,12 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
 /* x [m, k] (row stride ldx) -> per row: int8 qa[k], da[k / 32] (scale), fa[k / 32] (da * sum
  * of the 32 qa), ns[k / 32 * 8] (lanes 0 and 4: minus the sum of each 16, others 0). */
 /* The same in AVX-512 where built (the same operations per value: a prefill chunk quantizes
- * 144 x 8192 values per product). Rows are shared out to threads from 16 rows on. */
+ * 144 x 8192 values per product). Rows are shared out to threads from 64 rows on (a prefill
+ * chunk; not a decode step, whose fork would cost more than it saves). */
 void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
                float *fa, int32_t *ns) {
     const int64_t nb = k / 32;
-#pragma omp parallel for if (m >= 16) schedule(static)
+#pragma omp parallel for if (m >= 64) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
         for (int64_t b = 0; b < nb; b++) {

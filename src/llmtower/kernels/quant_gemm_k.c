@@ -47,7 +47,7 @@ static inline int kq_pos(int sb) { return (sb & 4) | ((sb & 1) << 1) | ((sb >> 1
 void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
                  int16_t *bs, int nibble_order) {
     const int64_t nb = k / 256;
-#pragma omp parallel for if (m >= 16) schedule(static)
+#pragma omp parallel for if (m >= 64) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
         for (int64_t b = 0; b < nb; b++) {
