@@ -29,9 +29,22 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="also time the prompts alone (1 output token each): prefill_s, and "
                          "the decode steps' tok/s from the rest")
+    ap.add_argument("--no-fused-layer", action="store_true",
+                    help="decode steps through the separate block-kernel calls (A/B runs)")
+    ap.add_argument("--block-kernel-max-rows", type=int, default=None,
+                    help="products of more rows dequantize to bfloat16 for oneDNN, every "
+                         "format (default: models/quant_block.py's int8_max_rows)")
     args = ap.parse_args()
 
     import torch
+
+    from llmtower.kernels import decode_layer
+    from llmtower.models import quant_block
+    if args.no_fused_layer:
+        decode_layer.MAX_ROWS = 0
+    if args.block_kernel_max_rows is not None:
+        quant_block.BLOCK_KERNEL_MAX_ROWS = args.block_kernel_max_rows
+        quant_block.INT8_MAX_ROWS_NO_AMX = {}  # that limit for every format
 
     from llmtower import LLM, SamplingParams
     from llmtower.executor.memory_plan import rss_bytes

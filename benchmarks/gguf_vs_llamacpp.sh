@@ -15,6 +15,7 @@
 # on a GGML_NATIVE build on this development VM). $REPEAT (default 1) runs the whole table
 # that many times, the two engines interleaved cell by cell (a busy machine's load moves:
 # each ratio compares runs seconds apart), then prints each cell's ratios and their median.
+# $PROMPTS (default "1 16") the prompt counts of the rows.
 set -euo pipefail
 ANCHORS=${ANCHORS:-$HOME/anchors}
 LLAMA_CPP=${LLAMA_CPP:-$ANCHORS/llama.cpp/build/bin}
@@ -62,7 +63,7 @@ printf '%-28s %-8s %-22s %-22s %-6s %s\n' "file (size)" "prompts" "llmtower tok/
 for ((rep = 0; rep < REPEAT; rep++)); do
 for f in "${files[@]}"; do
   size=$(du -h "$f" | cut -f1)
-  for n in 1 16; do
+  for n in ${PROMPTS:-1 16}; do
     read -r ours_t ours_r < <(bench_ours "$f" "$n")
     if [ -x "$LLAMA_CPP/llama-batched-bench" ]; then
       read -r cpp_t cpp_r < <(bench_llamacpp "$f" "$n")

@@ -80,8 +80,31 @@ def test_k_activations_are_int8_per_256_with_sums_of_16():
     assert torch.equal(f.qa.view(3, 512).float(), want)
     assert torch.equal(f.bs.view(3, 32).int(), want.view(3, 32, 16).sum(-1).int())
     assert int(f.qa.abs().max()) <= 127
+    # Q4_K / Q5_K's form: each 256's sub-blocks of 32 in their nibble order, sums alike
+    n = quantize_activations(x).per256(nibble_order=True)
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    assert torch.equal(n.qa.view(3, 2, 8, 32), f.qa.view(3, 2, 8, 32)[:, :, order])
+    assert torch.equal(n.bs.view(3, 2, 8, 2), f.bs.view(3, 2, 8, 2)[:, :, order])
+    assert torch.equal(n.da, f.da)
     with pytest.raises(ValueError, match="multiples of 256"):
         quantize_activations(torch.zeros(1, 96)).per256()
+
+
+@pytest.mark.parametrize("m", [3, 70])  # from 64 rows the rows are shared out to threads
+def test_activations_are_int8_per_32_with_their_sums(m):
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)) * 3
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
+    f = quantize_activations(x).per32()
+    amax = x.view(m, 3, 32).abs().amax(-1)
+    torch.testing.assert_close(f.da.view(m, 3), amax / 127, rtol=0, atol=0)
+    safe = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    want = torch.round(x.view(m, 3, 32) * safe.unsqueeze(-1))  # half to even
+    assert torch.equal(f.qa.view(m, 3, 32).float(), want)
+    sums = want.view(m, 3, 2, 16).sum(-1)
+    ns = f.ns.view(m, 3, 8)
+    assert torch.equal(ns[..., 0].float(), -sums[..., 0]) and torch.equal(ns[..., 4].float(), -sums[..., 1])
+    assert not ns[..., [1, 2, 3, 5, 6, 7]].any()
+    torch.testing.assert_close(f.fa.view(m, 3), f.da.view(m, 3) * sums.sum(-1), rtol=0, atol=0)
 
 
 def test_fast_and_portable_agree():

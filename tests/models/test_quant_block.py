@@ -37,6 +37,7 @@ def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
         return real_rows(self, start, end)
 
     monkeypatch.setattr(type(parts[0]), "rows", counted_rows)
+    monkeypatch.setattr(quant_block, "_has_amx", lambda: True)  # every format's limit: 96 rows
     monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 64 * 2 * k)  # 64 rows a slab
     monkeypatch.setattr(quant_block, "DEQUANT_SLAB_MIN_ROWS", 16)
     got = layer(x, bias)
@@ -46,6 +47,27 @@ def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
     # the slab boundaries are invisible: every column equals a one-slab product's
     monkeypatch.setattr(quant_block, "DEQUANT_SLAB_BYTES", 10**9)
     torch.testing.assert_close(layer(x, bias), got, rtol=1e-2, atol=1e-2)
+
+
+def test_without_amx_each_format_keeps_the_int8_kernel_up_to_its_own_row_limit(monkeypatch):
+    """Without AMX a 144-row prefill chunk stays on the int8 kernel for Q4_0, and at 200 rows
+    a Q4_0 part keeps it while a Q6_K part beside it takes bfloat16 slabs."""
+    if not ops.capabilities().can_run("quant_gemm"):
+        pytest.skip(ops.capabilities().why_not("quant_gemm"))
+    monkeypatch.setattr(quant_block, "_has_amx", lambda: False)
+    assert quant_block.int8_max_rows(int(Q.Q4_0)) >= 144
+    assert quant_block.int8_max_rows(int(Q.Q6_K)) < 200 <= quant_block.int8_max_rows(int(Q.Q4_0))
+    k = 256
+    parts = [from_numpy(int(Q.Q4_0), random_blocks(Q.Q4_0, 48, k, seed=1), 48, k),
+             from_numpy(int(Q.Q6_K), random_blocks(Q.Q6_K, 32, k, seed=2), 32, k)]
+    layer = BlockQuantLinear(parts)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(0))
+    got = layer(x)
+    assert torch.equal(got[:, :48], parts[0](x))  # the int8 kernel's own result
+    want = linear(x.to(torch.bfloat16), parts[1].dequantize().to(torch.bfloat16)).float()
+    torch.testing.assert_close(got[:, 48:], want)  # the bfloat16 product
+    assert not torch.equal(got[:, 48:], parts[1](x))
+    assert torch.equal(layer(x[:90]), torch.cat([p(x[:90]) for p in parts], 1))
 
 
 def test_a_slab_is_a_view_of_the_rows():

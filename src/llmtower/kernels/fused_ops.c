@@ -75,6 +75,11 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *y, vo
     }
 }
 
+/* One float32 row of silu_mul, for quant_layer.c's fused layer (the same code, so the same bits). */
+void silu_mul_row_f32(const float *y, float *out, int64_t r, int64_t n) {
+    silu_mul_row(y, out, r, n, 0);
+}
+
 int silu_mul(const void *y, void *out, int64_t t, int64_t n, int bf16, int num_threads) {
     if (t < 0 || n <= 0) return 1;
 #pragma omp parallel for num_threads(num_threads) if (t >= PARALLEL_ROWS) schedule(static)

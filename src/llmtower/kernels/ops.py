@@ -22,7 +22,8 @@ The kernels, by name:
     moe_experts_bf16   a decode step's chosen experts in one call, bfloat16 (moe_experts.c; as gemv_bf16)
     moe_experts_f32    the same, float32 (moe_experts.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; vec.h's integer layer)
-    quant_gemm         products by GGUF block-quantized weights (quant_gemm.c, quant_gemm_k.c; AVX512_VNNI)
+    quant_gemm         products by GGUF block-quantized weights (quant_gemm.c, quant_gemm_k.c,
+                       and quant_layer.c's fused decode layer over them; AVX512_VNNI)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
 from __future__ import annotations

@@ -17,6 +17,19 @@
 
 int64_t quant_block_values(int fmt);
 int64_t quant_block_bytes(int fmt);
+/* The activations' int8 forms (quant_gemm.c per 32 values, quant_gemm_k.c per 256) and each
+ * product's work for the calling thread of an enclosing team (quant_layer.c shares one parallel
+ * region among a layer's products). */
+void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
+               float *fa, int32_t *ns);
+void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
+                 int16_t *bs, int nibble_order);
+void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                      int64_t m, const int8_t *qa, const float *da, const float *fa,
+                      const int32_t *ns, float *y, int64_t ldy, int path);
+void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                        int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
+                        int64_t ldy, int path);
 #if QG_FAST
 /* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
 void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);

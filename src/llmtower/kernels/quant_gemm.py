@@ -24,6 +24,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 BLOCK_FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # Those in super-blocks of 256, multiplied against activations quantized per 256 values.
 K_FORMATS = frozenset({12, 13, 14})
+# Those of them whose activations come in the nibble order (Q4_K, Q5_K: quant_gemm_k.c kq_pos).
+NIBBLE_ORDER = frozenset({12, 13})
 
 
 @functools.cache
@@ -40,7 +42,7 @@ def _lib() -> ctypes.CDLL:
     lib.quant_gemm.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64,
                                _INT, _INT]
     lib.quant_gemm.restype = _INT
-    lib.quant_act_k.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P]
+    lib.quant_act_k.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _INT]
     lib.quant_act_k.restype = None
     lib.quant_gemm_k.argtypes = [_INT, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT,
                                  _INT]
@@ -73,16 +75,20 @@ class Int8Blocks32:
 @dataclass
 class Int8Blocks256:
     """Owns rows quantized to int8 per 256 values (``quant_act_k``): the values ``qa``, one
-    scale ``da`` per 256 and the sums ``bs`` of each 16 values (int16)."""
+    scale ``da`` per 256 and the sums ``bs`` of each 16 values (int16); with
+    ``nibble_order`` each 256's 32-value sub-blocks stored as Q4_K / Q5_K read them (0 2 1 3
+    4 6 5 7)."""
 
     qa: torch.Tensor
     da: torch.Tensor
     bs: torch.Tensor
+    nibble_order: bool = False
 
 
 class QuantizedActivations:
     """Owns float rows x [M, K] and their int8 forms, each made on first use: ``per32()`` for
-    the 32-value formats, ``per256()`` for the K formats."""
+    the 32-value formats, ``per256(nibble_order)`` for the K formats (Q4_K / Q5_K in the
+    nibble order, Q6_K in the values' own)."""
 
     def __init__(self, x: torch.Tensor) -> None:
         if x.dtype != torch.float32:
@@ -94,7 +100,7 @@ class QuantizedActivations:
             raise ValueError(f"block-quantized products need K in multiples of 32, not {self.k}")
         self.x = x
         self._per32: Int8Blocks32 | None = None
-        self._per256: Int8Blocks256 | None = None
+        self._per256: dict[bool, Int8Blocks256] = {}
 
     def per32(self) -> Int8Blocks32:
         if self._per32 is None:
@@ -108,18 +114,19 @@ class QuantizedActivations:
             self._per32 = f
         return self._per32
 
-    def per256(self) -> Int8Blocks256:
-        if self._per256 is None:
+    def per256(self, nibble_order: bool = False) -> Int8Blocks256:
+        f = self._per256.get(nibble_order)
+        if f is None:
             m, k = self.m, self.k
             if k % 256:
                 raise ValueError(f"K-format products need K in multiples of 256, not {k}")
             f = Int8Blocks256(torch.empty(m * k, dtype=torch.int8),
                               torch.empty(m * (k // 256), dtype=torch.float32),
-                              torch.empty(m * (k // 16), dtype=torch.int16))
+                              torch.empty(m * (k // 16), dtype=torch.int16), nibble_order)
             _lib().quant_act_k(self.x.data_ptr(), m, k, self.x.stride(0), f.qa.data_ptr(),
-                               f.da.data_ptr(), f.bs.data_ptr())
-            self._per256 = f
-        return self._per256
+                               f.da.data_ptr(), f.bs.data_ptr(), int(nibble_order))
+            self._per256[nibble_order] = f
+        return f
 
 
 def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
@@ -167,7 +174,7 @@ class BlockWeight:
             raise ValueError(f"rows of {act.k} values cannot multiply a [{self.n}, {self.k}] "
                              "matrix")
         if self.fmt in K_FORMATS:
-            f = act.per256()
+            f = act.per256(self.fmt in NIBBLE_ORDER)
             rc = self._lib.quant_gemm_k(self.fmt, self.data.data_ptr(), self.row_bytes, self.n,
                                         self.k, act.m, f.qa.data_ptr(), f.da.data_ptr(),
                                         f.bs.data_ptr(), out.data_ptr(), out.stride(0), threads,

@@ -33,13 +33,21 @@
 
 static inline int is_k_format(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K; }
 
+/* Where sub-block sb (32 values) of a super-block sits in Q4_K / Q5_K's nibble order: 64 bytes
+ * of their packed values hold sub-blocks 4h and 4h + 2 in the low nibbles, 4h + 1 and 4h + 3 in
+ * the high ones, so one 64-byte load and a mask (or a shift) give 64 values in that order. */
+static inline int kq_pos(int sb) { return (sb & 4) | ((sb & 1) << 1) | ((sb >> 1) & 1); }
+
 /* ------------------------------------------------------------------ activations */
 
 /* x [m, k] (row stride ldx, k a multiple of 256) -> per row: int8 qa[k], da[k / 256], the sums
- * of each 16 qa in bs[k / 16]. Rounds to nearest even (the default rounding mode), as lrintf. */
+ * of each 16 qa in bs[k / 16]. Rounds to nearest even (the default rounding mode), as lrintf.
+ * nibble_order: each 256 values' 32-value sub-blocks stored in Q4_K / Q5_K's nibble order
+ * (kq_pos: 0 2 1 3 4 6 5 7), bs likewise; else in their own order (Q6_K). */
 void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, float *da,
-                 int16_t *bs) {
+                 int16_t *bs, int nibble_order) {
     const int64_t nb = k / 256;
+#pragma omp parallel for if (m >= 64) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
         for (int64_t b = 0; b < nb; b++) {
@@ -59,19 +67,21 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
 #if QG_FAST
             const __m512 vid = _mm512_set1_ps(id);
             for (int g = 0; g < 16; g++) {
+                const int to = nibble_order ? 2 * kq_pos(g / 2) + (g & 1) : g;
                 const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), vid));
-                _mm_storeu_si128((__m128i *)(q + 16 * g), _mm512_cvtsepi32_epi8(v));
-                s[g] = (int16_t)_mm512_reduce_add_epi32(v);
+                _mm_storeu_si128((__m128i *)(q + 16 * to), _mm512_cvtsepi32_epi8(v));
+                s[to] = (int16_t)_mm512_reduce_add_epi32(v);
             }
 #else
             for (int g = 0; g < 16; g++) {
+                const int to = nibble_order ? 2 * kq_pos(g / 2) + (g & 1) : g;
                 int sum = 0;
                 for (int j = 0; j < 16; j++) {
                     const int v = (int)lrintf(xb[16 * g + j] * id);
-                    q[16 * g + j] = (int8_t)v;
+                    q[16 * to + j] = (int8_t)v;
                     sum += v;
                 }
-                s[g] = (int16_t)sum;
+                s[to] = (int16_t)sum;
             }
 #endif
         }
@@ -88,9 +98,10 @@ static void krows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, 
     for (int64_t b = 0; b < nb; b++)
         for (int sb = 0; sb < 8; sb++) {
             decode_sub(fmt, wrow + b * bb, sb, &s);
+            const int at = fmt == F_Q6_K ? sb : kq_pos(sb); /* the activations' order */
             for (int r = 0; r < mr; r++) {
-                const int8_t *q = qa + r * k + 256 * b + 32 * sb;
-                const int16_t *g = bs + r * (k / 16) + 16 * b + 2 * sb;
+                const int8_t *q = qa + r * k + 256 * b + 32 * at;
+                const int16_t *g = bs + r * (k / 16) + 16 * b + 2 * at;
                 int d0 = 0, d1 = 0;
                 for (int j = 0; j < 16; j++) d0 += (int)s.u[j] * q[j];
                 for (int j = 16; j < 32; j++) d1 += (int)s.u[j] * q[j];
@@ -105,10 +116,11 @@ static void krows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, 
 
 /* ------------------------------------------------------------------ products, AVX-512 VNNI */
 #if QG_FAST
-/* One super-block unpacked: u[g] the 64 unsigned values g*64 .. g*64+63 (bytes in the order of
- * the activations), sc[g] the int16 scale of each pair of them (vpmaddubsw's lanes), mn the
- * 16 int16 factors of the activations' 16-sums (the minimum of each 32 twice, or Q6_K's scale
- * of each 16), d and c: sum w a = da * (d * sum sc*(u.qa) - c * sum mn * bsum). */
+/* One super-block unpacked: u[g] the 64 unsigned values g*64 .. g*64+63 of the activations'
+ * order (Q6_K: the values' own; Q4_K / Q5_K: the nibble order, kq_pos), sc[g] the int16 scale
+ * of each pair of them (vpmaddubsw's lanes), mn the 16 int16 factors of the activations'
+ * 16-sums (the minimum of each 32 twice, or Q6_K's scale of each 16), d and c: sum w a = da *
+ * (d * sum sc*(u.qa) - c * sum mn * bsum). */
 typedef struct {
     __m512i u[4], sc[4];
     __m256i mn;
@@ -120,12 +132,14 @@ typedef struct {
 #define R16(v) v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v
 #define R8(v) v, v, v, v, v, v, v, v
 static const int16_t KQ_LANE_SCALE[2][4][32] = {
-    {{R16(0), R16(1)}, {R16(2), R16(3)}, {R16(4), R16(5)}, {R16(6), R16(7)}},
+    {{R16(0), R16(2)}, {R16(1), R16(3)}, {R16(4), R16(6)}, {R16(5), R16(7)}}, /* nibble order */
     {{R8(0), R8(1), R8(2), R8(3)}, {R8(4), R8(5), R8(6), R8(7)},
      {R8(8), R8(9), R8(10), R8(11)}, {R8(12), R8(13), R8(14), R8(15)}},
 };
 #undef R16
 #undef R8
+/* The two sub-blocks of Q4_K / Q5_K's vector g (nibble order). */
+static const int KQ_SUB[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
 
 /* Q4_K / Q5_K's eight 6-bit scales and minimums from the 12 packed bytes: the bytes of
  * (sc0..3, sc4..7) and (mn0..3, mn4..7) as two pairs of 32-bit words (k_scale_min for all
@@ -150,23 +164,29 @@ kq_unpack_q45k(const uint8_t *blk, const int FIVE, const __m512i idx[4], kq_bloc
     const __m128i sc8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);
     const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
     const __m128i mn8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
-    o->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)); /* each minimum for both 16s */
+    /* each minimum for both of its 16s, sub-blocks in the nibble order */
+    const __m128i twice = _mm_setr_epi8(0, 0, 2, 2, 1, 1, 3, 3, 4, 4, 6, 6, 5, 5, 7, 7);
+    o->mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn8, twice));
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m256i qh = FIVE ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
     const uint8_t *qs = blk + (FIVE ? 48 : 16);
-    for (int g = 0; g < 4; g++) {
-        /* bytes 32g.. : low nibbles are sub-block 2g, high nibbles 2g + 1 */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
-        __m512i u = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
-        if (FIVE) { /* bit 2g (and 2g + 1) of each qh byte is bit 4 of sub-block 2g's (2g+1's) */
-            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * g)),
-                                                 _mm256_srli_epi16(qh, 2 * g + 1), 1);
-            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
+    for (int h = 0; h < 2; h++) {
+        /* bytes 64h..: low nibbles are sub-blocks 4h and 4h + 2, high ones 4h + 1 and 4h + 3 */
+        const __m512i q = _mm512_loadu_si512(qs + 64 * h);
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        if (FIVE) { /* bit sb of each qh byte is bit 4 of sub-block sb's value */
+            const __m512i one = _mm512_set1_epi8(1);
+            const __m512i bl = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4 * h)),
+                                                  _mm256_srli_epi16(qh, 4 * h + 2), 1);
+            const __m512i bh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4 * h + 1)),
+                                                  _mm256_srli_epi16(qh, 4 * h + 3), 1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(bl, one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(bh, one), 4));
         }
-        o->u[g] = u;
-        o->sc[g] = _mm512_permutexvar_epi16(idx[g], sc16);
+        o->u[2 * h] = lo;
+        o->u[2 * h + 1] = hi;
     }
+    for (int g = 0; g < 4; g++) o->sc[g] = _mm512_permutexvar_epi16(idx[g], sc16);
 }
 
 static inline __attribute__((always_inline)) void
@@ -266,7 +286,8 @@ void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
         }
         for (int g = 0; g < 4; g++)
             for (int h = 0; h < 4; h++) {
-                const int i = 4 * g + h; /* values 16i .. 16i+15 */
+                /* values 16i .. 16i+15: vector g's quarter h (Q4_K / Q5_K: nibble order) */
+                const int i = fmt == F_Q6_K ? 4 * g + h : 2 * KQ_SUB[g][h / 2] + (h & 1);
                 __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.u[g], h));
                 __m512 y;
                 if (fmt == F_Q6_K) {
@@ -307,9 +328,18 @@ int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
                  const int8_t *qa, const float *da, const int16_t *bs, float *y, int64_t ldy,
                  int nthreads, int path) {
     if (!is_k_format(fmt) || k % 256) return -1;
+#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
+    quant_gemm_k_share(fmt, w, row_bytes, n, k, m, qa, da, bs, y, ldy, path);
+    return 0;
+}
+
+/* quant_gemm_k's work for the calling thread of the enclosing team (its share of the weight
+ * rows; no barrier), for quant_layer.c's one region per layer; the caller checks fmt and k. */
+void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                        int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
+                        int64_t ldy, int path) {
     const int64_t nb = k / 256;
     const int fast = QG_FAST && path == 0;
-#pragma omp parallel num_threads(kernel_threads(nthreads, n / 8))
     {
         const int64_t t = kernel_thread(), team = kernel_team();
         const int64_t j0 = n * t / team, j1 = n * (t + 1) / team;
@@ -335,5 +365,4 @@ int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
             }
         }
     }
-    return 0;
 }

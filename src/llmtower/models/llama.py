@@ -25,6 +25,8 @@ from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels import decode_layer as decode_layer_mod
 from llmtower.kernels.decode_layer import DecodeLayers, EndParts, LayerParts
+from llmtower.kernels import quant_layer
+from llmtower.kernels.quant_layer import QuantDecodeLayers, QuantLayerParts
 from llmtower.models import lora_layers
 from llmtower.lora.punica import LoRAStep
 from llmtower.models.attention import AttentionMetadata, PagedAttention
@@ -36,6 +38,7 @@ from llmtower.models.layers.weights import (StateValue, Weight, WeightTaker, app
                                             fuse, packed)
 from llmtower.models.linear import PackedWeight, linear, prepack_gate_up, silu_mul
 from llmtower.models.quant import QuantizedLinear
+from llmtower.models import quant_block
 from llmtower.models.quant_block import BlockEmbedding, BlockQuantLinear
 from llmtower.models.layers.rotary import RotaryEmbedding
 
@@ -120,9 +123,12 @@ class LlamaForCausalLM:
         # (kernels/decode_layer.c), where every matrix has that kernel's copy.
         self.decode_layers = self._decode_layers() if self.fused is not None else None
 
-    def _decode_layers(self) -> DecodeLayers | None:
+    def _decode_layers(self) -> DecodeLayers | QuantDecodeLayers | None:
         """The fused decode layer's view of the weights, where it can run (bfloat16 or
-        float32 float weights with the decode-step kernel's copies), else None."""
+        float32 float weights with the decode-step kernel's copies; float32 steps over GGUF
+        block weights), else None."""
+        if self.quantization == "gguf":
+            return self._quant_decode_layers()
         if len(self.layers) < 2 or self.head_dim % 2 \
                 or ops.capabilities().why_not_in("decode_layer", self.dtype) is not None \
                 or self.config.qk_norm:  # the C layer has no step for Qwen3's q/k norms
@@ -154,10 +160,31 @@ class LlamaForCausalLM:
         return DecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
                             self.num_kv_heads, self.head_dim, self.eps, self.dtype, ends)
 
+    def _quant_decode_layers(self) -> QuantDecodeLayers | None:
+        """The fused GGUF decode layer (``kernels/quant_layer.c``) where every layer's
+        products take the block kernel and the step is float32, else None."""
+        c = self.config
+        if self.dtype != torch.float32 or len(self.layers) < 2 or c.qk_norm or not \
+                quant_layer.fits(c.hidden_size, c.intermediate_size, self.num_heads,
+                                 self.head_dim):
+            return None
+        parts = []
+        for cur, nxt in zip(self.layers, self.layers[1:]):
+            o, gate_up, down, qkv = cur.o_proj, cur.gate_up, cur.down, nxt.qkv
+            if not (isinstance(o, BlockQuantLinear) and isinstance(gate_up, BlockQuantLinear)
+                    and isinstance(down, BlockQuantLinear) and isinstance(qkv, BlockQuantLinear)):
+                return None
+            parts.append(QuantLayerParts(o.parts, cur.o_bias, cur.post_norm, gate_up.parts,
+                                         down.parts, nxt.input_norm, qkv.parts, nxt.qkv_bias))
+        return QuantDecodeLayers(parts, c.hidden_size, c.intermediate_size, self.num_heads,
+                                 self.num_kv_heads, self.head_dim, self.eps)
+
     def _kernel_rows(self) -> int:
         """Most rows for which every product of a step takes a decode-step kernel
         (``models/linear.py``'s dispatch), whose sums the fused decode layer repeats: float32
         gemm_f32; bfloat16 the few-row kernel, and above it gemm_bf16 (the same sums)."""
+        if isinstance(self.decode_layers, QuantDecodeLayers):
+            return quant_block.BLOCK_KERNEL_MAX_ROWS
         if self.dtype != torch.bfloat16:
             return linear_mod.F32_KERNEL_MAX_ROWS
         if not ops.capabilities().can_run("gemm_bf16"):
@@ -273,7 +300,8 @@ class LlamaForCausalLM:
         whole = dl is not None and dl.attends and attn.backend == "c" and db is not None \
             and db.query_start is None and db.num_rows == t and not meta.prefills \
             and not meta.decode_groups and last > 1 and not any(self.windows)
-        if whole and dl is not None and dl.whole_steps and 0 < logits_indices.shape[0] <= t:
+        if whole and isinstance(dl, DecodeLayers) and dl.whole_steps \
+                and 0 < logits_indices.shape[0] <= t:
             assert db is not None
             # All of it in one C call, the output layer too where it has the decode kernel's
             # copy (bit for bit the calls below).

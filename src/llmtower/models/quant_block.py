@@ -28,6 +28,7 @@ from llmtower.kernels.huge_pages import empty_streamed
 from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, quantize_activations
 from llmtower.models.gguf_dequant import dequantize
 from llmtower.models.linear import linear
+from llmtower.utils import cpu_info
 
 
 @dataclass(frozen=True)
@@ -134,18 +135,33 @@ class BlockQuantLinear:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
+        m = x.shape[0]
+        if all(m > int8_max_rows(p.fmt) for p in self.parts):
             return self._dequantized_product(x, bias)
+        # each part by the int8 kernel up to its format's row limit, beyond it by bfloat16
+        # slabs (int8_max_rows); the activations' int8 forms are made once for all parts
         act = quantize_activations(x)
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
         at = 0
         for p in self.parts:
-            p.matmul_into(act, out[:, at:], threads)
+            if m > int8_max_rows(p.fmt):
+                out[:, at:at + p.n] = self._slabs(x.to(torch.bfloat16), p)
+            else:
+                p.matmul_into(act, out[:, at:], threads)
             at += p.n
         if bias is not None:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _slabs(self, xb: torch.Tensor, p: BlockWeight) -> torch.Tensor:
+        """xb @ p.T (bfloat16 rows) with p dequantized a slab of rows at a time."""
+        out = torch.empty(xb.shape[0], p.n, dtype=xb.dtype)
+        step = max(DEQUANT_SLAB_MIN_ROWS, DEQUANT_SLAB_BYTES // (2 * self.in_features))
+        for start in range(0, p.n, step):
+            end = min(start + step, p.n)
+            out[:, start:end] = linear(xb, p.rows(start, end).dequantize(dtype=torch.bfloat16))
+        return out
 
     def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Many rows (a prefill chunk): the weight dequantized to bfloat16 for this call and
@@ -155,13 +171,9 @@ class BlockQuantLinear:
         was 705 MB at every chunk, the process's peak memory, and fresh pages each time."""
         xb = x.to(torch.bfloat16)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        step = max(DEQUANT_SLAB_MIN_ROWS, DEQUANT_SLAB_BYTES // (2 * self.in_features))
         at = 0
         for p in self.parts:
-            for start in range(0, p.n, step):
-                end = min(start + step, p.n)
-                w = p.rows(start, end).dequantize(dtype=torch.bfloat16)
-                out[:, at + start:at + end] = linear(xb, w)
+            out[:, at:at + p.n] = self._slabs(xb, p)
             at += p.n
         if bias is not None:
             out += bias
@@ -175,10 +187,32 @@ class BlockQuantLinear:
 DEQUANT_SLAB_BYTES = 32 * 2**20
 DEQUANT_SLAB_MIN_ROWS = 2048
 
-# Products of more rows than this dequantize the weight per call (BlockQuantLinear): CPU
-# time per 16384 x 2048 matrix (Q4_0, Q4_K) crossed over between 64 and 144 rows (kernel
-# 160-170 vs 245-300 ms at 64, 340-370 vs 250-270 at 144, measured under heavy load).
+# Products of more rows than this dequantize the weight per call (BlockQuantLinear) where the
+# CPU has AMX (oneDNN's bfloat16 GEMM on tiles): CPU time per 16384 x 2048 matrix (Q4_0,
+# Q4_K) crossed over between 64 and 144 rows there (kernel 160-170 vs 245-300 ms at 64,
+# 340-370 vs 250-270 at 144, measured under heavy load). It is also the most rows of a decode
+# step for the fused GGUF layer (kernels/quant_layer.c), every part by the int8 kernel.
 BLOCK_KERNEL_MAX_ROWS = 96
+# Without AMX (oneDNN's bfloat16 on AVX512_BF16, AMD Zen 4 here) the int8 kernel wins further
+# on Q4_0 (its 16-row groups): wall ms, benchmarks/gguf_prefill_products.py, int8 vs bfloat16
+# slabs, gate/up [16384x2048], 2 threads at 144 / 256 / 384 rows: 24 vs 42 / 42 vs 51 / 60 vs
+# 63; 1 thread at 144: 48 vs 98. A 144-token prompt's chunk so stays on the int8 kernel. The
+# K formats measured mixed at 144 rows (Q4_K gate/up 1.06-1.6x faster on int8, Q4_K o
+# [2048x2048] 0.5x, Q6_K down 1.1x; one-stream Q4_K_M end to end not faster, at load 6-9),
+# so they keep 96; the other formats were not measured.
+INT8_MAX_ROWS_NO_AMX = {2: 384}
+
+
+def _has_amx() -> bool:
+    return "amx_bf16" in cpu_info().flags
+
+
+def int8_max_rows(fmt: int) -> int:
+    """Most rows of x a product by a matrix of ggml type ``fmt`` takes on the int8 kernel
+    (more: bfloat16 slabs and oneDNN)."""
+    if _has_amx():
+        return BLOCK_KERNEL_MAX_ROWS
+    return max(BLOCK_KERNEL_MAX_ROWS, INT8_MAX_ROWS_NO_AMX.get(fmt, BLOCK_KERNEL_MAX_ROWS))
 
 
 def block_linear(parts: list[GGUFMatrix]) -> BlockQuantLinear:
