@@ -136,6 +136,40 @@ def test_stats_snapshots_reach_the_client_and_show_the_drained_cache():
     assert all(n > 0 for s in snapshots for n in s.step_num_tokens)
 
 
+def test_an_engine_busy_with_one_short_request_after_another_shows_it_running():
+    # Each request (8 steps of 10 ms) finishes well within the stats interval (0.3 s), and the
+    # next one comes right after: the snapshot that travels with each finish shows 0 running,
+    # so the interval's snapshots must keep coming, and they find the next request running.
+    async def body(client):
+        snapshots = []
+        deadline = time.monotonic() + 2.0
+        i = 0
+        while time.monotonic() < deadline:
+            await client.add_request(_req(f"q{i}", [1, 2, 3], max_tokens=8))
+            i += 1
+            finished = False
+            while not finished:
+                item = await asyncio.wait_for(client.get_output(), GUARD_S)
+                finished = any(o.finished for o in item.outputs)
+                if item.scheduler_stats is not None and i > 1:  # the first found it idle
+                    snapshots.append(item.scheduler_stats.num_running_reqs)
+        return i, snapshots
+
+    async def main():
+        client = EngineCoreClient(EngineArgs(model="fake"), make_slow_fake_engine,
+                                  stats_interval_s=0.3)
+        try:
+            await asyncio.wait_for(client.start(), GUARD_S)
+            return await body(client)
+        finally:
+            client.shutdown()
+
+    num_requests, snapshots = asyncio.run(main())
+    assert num_requests >= 5  # several requests, each far shorter than the interval
+    assert 0 in snapshots  # the finishes' snapshots
+    assert max(snapshots) == 1  # ... and the interval's, with a request running
+
+
 def test_idle_engine_does_not_spin():
     async def body(client):
         await client.add_request(_req("x", [1, 2, 3]))

@@ -183,10 +183,15 @@ class EngineCoreProc:
             now = time.monotonic()
             # The counters a finished request moved (prefix-cache hits, accepted draft tokens,
             # ...) travel with its last output, so /metrics shows them as soon as the client
-            # has its answer; otherwise a snapshot per stats interval.
-            if now - self._last_stats_time >= self.stats_interval_s or any(
-                    o.finish_reason is not None for o in outputs.outputs):
-                outputs.scheduler_stats = self._take_stats(now)
+            # has its answer; otherwise a snapshot per stats interval. A finish does not put
+            # the interval's snapshot off: taken just after a finish, a snapshot shows that
+            # request gone, so an engine that always finished one request within the
+            # interval would show 0 running requests however busy it was.
+            if now - self._last_stats_time >= self.stats_interval_s:
+                outputs.scheduler_stats = self._take_stats()
+                self._last_stats_time = now
+            elif any(o.finish_reason is not None for o in outputs.outputs):
+                outputs.scheduler_stats = self._take_stats()
             if outputs.outputs or outputs.scheduler_stats is not None or outputs.request_errors:
                 if not outputs.timestamp:
                     outputs.timestamp = now
@@ -259,7 +264,7 @@ class EngineCoreProc:
                     item = q.get(timeout=IDLE_SNAPSHOT_DELAY_S)
                 except queue.Empty:
                     self.output_queue.put((OutputTag.OUTPUTS, EngineCoreOutputs(
-                        scheduler_stats=self._take_stats(time.monotonic()),
+                        scheduler_stats=self._take_stats(),
                         timestamp=time.monotonic())))
             self._handle(*(item if item is not None else q.get()))
         while not q.empty() and not self._shutdown:
@@ -333,14 +338,13 @@ class EngineCoreProc:
             self._step_seconds.append(seconds)
             self._step_num_tokens.append(num_tokens)
 
-    def _take_stats(self, now: float) -> SchedulerStats:
+    def _take_stats(self) -> SchedulerStats:
         stats = self.engine_core.get_stats()
         stats.step_num_tokens, self._step_num_tokens = self._step_num_tokens, []
         stats.step_seconds, self._step_seconds = self._step_seconds, []
         stats.step_schedule_seconds, self._step_schedule_seconds = self._step_schedule_seconds, []
         # Requests (and other messages) received but not yet taken in by the busy loop.
         stats.input_queue_size = self.input_queue.qsize()
-        self._last_stats_time = now
         self._stats_dirty = False
         return stats
 
