@@ -26,6 +26,7 @@ from llmtower.kernels.build import KernelUnavailable
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.decode_layer_lora import LoRAProducts, LoRARows
 from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels.kv_pointers import KVPointers
 
 _P = ctypes.c_void_p
 # Most rows a step may have for the fused path, beside the limit of the products' kernel
@@ -163,9 +164,7 @@ class DecodeLayers:
         self._attn = DecodeAttention(fn=_paged_decode_address())
         self._attn_ptr = ctypes.addressof(self._attn)
         self._out = torch.empty(0)
-        self._cache_key: tuple[int, ...] = ()
-        self._cache_blocks = self._cache_block_size = 0
-        self._cache_ptrs = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
+        self._kv = KVPointers(num_kv_heads, head_dim, dtype, "fused decode layers")
         self._step = DecodeStep(hidden=hidden, inter=intermediate, nh=num_heads,
                                 nkv=num_kv_heads, d=head_dim, eps=eps, bf16=DTYPES[dtype])
         self._step_ptr = ctypes.addressof(self._step)
@@ -261,12 +260,12 @@ class DecodeLayers:
                 or tuple(cl.shape) != (t,)):
             raise ValueError("fused decode step: block_tables [n, blocks] and context_lens [n] "
                              "must be contiguous int64")
-        k_ptrs, v_ptrs = self._caches(kv_caches)
-        if block_size != self._cache_block_size:
+        k_ptrs, v_ptrs = self._kv.get(kv_caches)
+        if block_size != self._kv.block_size:
             raise ValueError(f"fused decode step: the caches hold blocks of "
-                             f"{self._cache_block_size} tokens, not {block_size}")
+                             f"{self._kv.block_size} tokens, not {block_size}")
         if not db.checked:
-            paged_attention.check_tables(bt, cl, self._cache_blocks, block_size)
+            paged_attention.check_tables(bt, cl, self._kv.num_blocks, block_size)
             db.checked = True
         m = rows.shape[0]
         if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() \
@@ -393,7 +392,7 @@ class DecodeLayers:
         a = self._attn
         a.block_tables, a.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
         a.context_lens, a.block_size, a.scale = context_lens.data_ptr(), block_size, scale
-        k_ptrs, v_ptrs = self._caches(kv_caches)
+        k_ptrs, v_ptrs = self._kv.get(kv_caches)
         self._prefetch_kv.value = int(PREFETCH_KV)
         rc = self._layers_fn(ctypes.addressof(self._weights), self._step_ptr, self._attn_ptr,
                              h.data_ptr(), k_ptrs, v_ptrs, first, count)
@@ -402,25 +401,6 @@ class DecodeLayers:
         if rc != 0:
             raise RuntimeError(f"fused decode layers: a kernel refused its inputs (code {rc})")
         return self._q, self._v
-
-    def _caches(self, kv_caches: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
-        """The K and V pointers of every layer's cache (kept while the caches stay put)."""
-        key = tuple(c.data_ptr() for c in kv_caches)
-        if key != self._cache_key:
-            shape = tuple(kv_caches[0].shape)
-            if len(shape) != 5 or shape[0] != 2 or shape[3:] != (self.nkv, self.d) or any(
-                    tuple(c.shape) != shape or c.dtype != self.dtype or not c.is_contiguous()
-                    for c in kv_caches):
-                raise ValueError(f"fused decode layers: every KV cache must be contiguous "
-                                 f"{self.dtype} [2, blocks, block_size, {self.nkv}, {self.d}], "
-                                 "all of one shape")
-            self._cache_blocks, self._cache_block_size = shape[1], shape[2]
-            n = len(kv_caches)
-            k = (ctypes.c_void_p * n)(*(c.data_ptr() for c in kv_caches))
-            v = (ctypes.c_void_p * n)(*(c.data_ptr() + c.stride(0) * c.element_size()
-                                        for c in kv_caches))
-            self._cache_key, self._cache_ptrs = key, (k, v)
-        return self._cache_ptrs
 
     def layer(self, i: int, h: torch.Tensor, attn_out: torch.Tensor, kv_cache: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 
 from llmtower.kernels import ops
 from llmtower.kernels.decode_layer import _paged_decode_address
+from llmtower.kernels.kv_pointers import KVPointers
 from llmtower.kernels.quant_gemm import BlockWeight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -121,8 +122,7 @@ class QuantDecodeLayers:
         self._step_ptr = ctypes.addressof(self._step)
         self._bufs: tuple[torch.Tensor, ...] = ()
         self._q = self._v = self._out = torch.empty(0)
-        self._cache_key: tuple[int, ...] = ()
-        self._cache_ptrs = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
+        self._kv = KVPointers(num_kv_heads, head_dim, torch.float32, "fused GGUF layers")
 
     def _matrix(self, parts: Sequence[BlockWeight], n: int, k: int) -> QuantMatrix:
         if not 1 <= len(parts) <= PARTS or sum(p.n for p in parts) != n \
@@ -196,7 +196,7 @@ class QuantDecodeLayers:
         a = self._attn
         a.block_tables, a.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
         a.context_lens, a.block_size, a.scale = context_lens.data_ptr(), block_size, scale
-        k_ptrs, v_ptrs = self._caches(kv_caches)
+        k_ptrs, v_ptrs = self._kv.get(kv_caches)
         rc = self._layers_fn(ctypes.addressof(self._weights), self._step_ptr, self._attn_ptr,
                              h.data_ptr(), k_ptrs, v_ptrs, first, count)
         if rc == -1:
@@ -204,23 +204,6 @@ class QuantDecodeLayers:
         if rc != 0:
             raise RuntimeError(f"fused GGUF layers: a kernel refused its inputs (code {rc})")
         return self._q, self._v
-
-    def _caches(self, kv_caches: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
-        key = tuple(c.data_ptr() for c in kv_caches)
-        if key != self._cache_key:
-            shape = tuple(kv_caches[0].shape)
-            if len(shape) != 5 or shape[0] != 2 or shape[3:] != (self.nkv, self.d) or any(
-                    tuple(c.shape) != shape or c.dtype != torch.float32 or not c.is_contiguous()
-                    for c in kv_caches):
-                raise ValueError("fused GGUF layers: every KV cache must be contiguous float32 "
-                                 f"[2, blocks, block_size, {self.nkv}, {self.d}], all of one "
-                                 "shape")
-            n = len(kv_caches)
-            k = (ctypes.c_void_p * n)(*(c.data_ptr() for c in kv_caches))
-            v = (ctypes.c_void_p * n)(*(c.data_ptr() + c.stride(0) * c.element_size()
-                                        for c in kv_caches))
-            self._cache_key, self._cache_ptrs = key, (k, v)
-        return self._cache_ptrs
 
     def layer(self, i: int, h: torch.Tensor, attn_out: torch.Tensor, kv_cache: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
