@@ -143,10 +143,13 @@ class BlockQuantLinear:
         act = quantize_activations(x)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
+        xb: torch.Tensor | None = None  # x in bfloat16, made once for the slab parts
         at = 0
         for p in self.parts:
             if m > int8_max_rows(p.fmt):
-                out[:, at:at + p.n] = self._slabs(x.to(torch.bfloat16), p)
+                if xb is None:
+                    xb = x.to(torch.bfloat16)
+                out[:, at:at + p.n] = self._slabs(xb, p)
             else:
                 p.matmul_into(act, out[:, at:], threads)
             at += p.n
