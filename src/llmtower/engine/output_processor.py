@@ -76,6 +76,7 @@ class ParentRequest:
             completions = [output]
             prompt_logprobs = only.prompt_logprobs
             metrics = only.metrics
+            num_cached = only.num_cached_tokens
         else:
             completions = [c for c in (child.make_output() for child in children) if c]
             if not completions:
@@ -83,15 +84,14 @@ class ParentRequest:
             prompt_logprobs = next((c.prompt_logprobs for c in children
                                     if c.prompt_logprobs is not None), None)
             metrics = merge_metrics([c.metrics for c in children]) if self.finished else None
+            num_cached = max(c.num_cached_tokens for c in children)
         if self.output_kind is RequestOutputKind.DELTA:
             if self._prompt_logprobs_sent:
                 prompt_logprobs = None
             self._prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-            metrics if self.finished else None,
-            max(c.num_cached_tokens for c in children) if len(children) > 1
-            else children[0].num_cached_tokens, prompt_logprobs)
+            metrics if self.finished else None, num_cached, prompt_logprobs)
 
 
 class OutputProcessor:
