@@ -33,6 +33,20 @@ def env(src: str | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
 
 
+PROFILED_MAIN = """
+import cProfile, runpy, sys, time
+out, module = sys.argv[1], sys.argv[2]
+sys.argv = [module, *sys.argv[3:]]
+prof = cProfile.Profile(time.thread_time)
+prof.enable()
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+finally:
+    prof.disable()
+    prof.dump_stats(out)
+"""
+
+
 class Server:
     """Owns one `llmtower serve` process group (API process + engine) and its log file."""
 
@@ -40,8 +54,10 @@ class Server:
                  src: str | None = None) -> None:
         self.port = free_port()
         self.log = Path(tempfile.mkstemp(prefix="llmtower-serve-", suffix=".log")[1])
-        launcher = [PYTHON, "-m", "cProfile", "-o", profile] if profile else [PYTHON]
-        cmd = [*launcher, "-m", "llmtower.cli.main", "serve", "--port", str(self.port),
+        # under --profile: the API process's main thread (its event loop) under cProfile with
+        # a CPU-time clock, so time spent waiting for a core is not counted as work
+        launcher = [PYTHON, "-c", PROFILED_MAIN, profile] if profile else [PYTHON, "-m"]
+        cmd = [*launcher, "llmtower.cli.main", "serve", "--port", str(self.port),
                "--disable-log-stats", *args]
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(src),

@@ -3,6 +3,7 @@ deltas, n > 1, stop strings, validation, queue timeouts, disconnects and engine 
 from __future__ import annotations
 
 import asyncio
+import threading
 import os
 import signal
 
@@ -232,3 +233,28 @@ def test_one_registry_holds_each_request_in_flight_and_nothing_after(tokenizer):
     in_flight, parents, states, stats = _run(tokenizer, body, make_slow_fake_engine)
     assert in_flight and parents == {} and states == {}
     assert stats.num_running_reqs == 0
+
+
+def test_a_long_prompt_is_encoded_off_the_event_loop_and_a_short_one_on_it(tokenizer):
+    """A large prompt must not stall the other clients while it is tokenized (issue 11); a
+    short one is cheaper to encode in place than to send to a worker thread."""
+    from llmtower.engine.async_llm import INLINE_ENCODE_CHARS
+
+    async def body(llm):
+        seen: list[str] = []
+        encode = llm.input_processor.encode
+
+        def spy(text, add_special_tokens=True):
+            seen.append(threading.current_thread().name)
+            return encode(text, add_special_tokens)
+
+        llm.input_processor.encode = spy
+        short = await llm.encode_async("hello " * 10)
+        long_text = "hello " * (INLINE_ENCODE_CHARS // 6 + 50)
+        long = await llm.encode_async(long_text)
+        return seen, short, long, encode(long_text)
+
+    seen, short, long, expected = _run(tokenizer, body)
+    assert seen[0] == threading.main_thread().name
+    assert seen[1] != threading.main_thread().name and seen[1].startswith("llmtower-prep")
+    assert short == tokenizer.encode("hello " * 10) and long == expected

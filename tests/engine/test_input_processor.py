@@ -3,6 +3,7 @@ defaults, the one length rule, truncation and logit_bias checks."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -98,3 +99,38 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_offline_too(tokenizer
     with pytest.raises(ValueError, match=r"stop_token_ids=.*\[100, 250\].*vocabulary of 100"):
         ip.process_prompt([5], SamplingParams(stop_token_ids=[3, 100, 250]))
     assert ip.process_prompt([5], SamplingParams(stop_token_ids=[99])) == [5]
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_prompts_encode_to_the_ids_transformers_gives(tokenizer, add_special_tokens):
+    """encode() goes to the tokenizers backend directly (no BatchEncoding around it): the ids
+    must be transformers' own, special-token text and odd spacing included."""
+    ip = InputProcessor(tokenizer, max_model_len=64)
+    assert ip._backend is not None  # the fast path is the one under test
+    special = tokenizer.all_special_tokens[0] if tokenizer.all_special_tokens else ""
+    for text in ["hello world", "  two  spaces\n\nand lines", f"{special} after a special",
+                 "ünïcödé and emoji 🙂", ""]:
+        assert ip.encode(text, add_special_tokens) == tokenizer.encode(
+            text, add_special_tokens=add_special_tokens), text
+
+
+def test_a_backend_with_truncation_set_encodes_through_transformers(tokenizer):
+    """transformers clears the backend's truncation for a plain encode; the fast path must not
+    apply it behind its back."""
+    ip = InputProcessor(tokenizer, max_model_len=64)
+    text = "one two three four five six seven eight nine ten " * 3
+    full = tokenizer.encode(text)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    try:
+        assert ip.encode(text) == full and len(full) > 4
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tokenizer):
+    ip = InputProcessor(tokenizer, max_model_len=64, vocab_size=100)
+    ip.check_prompt([0, 5, 99])  # in range: nothing to say
+    for bad, shown in (([1, 100, 2], "[100]"), ([-1, 3], "[-1]"), ([1, 2.5, 3], "[2.5]"),
+                       ([1, "7"], "['7']"), ([1, 2**70], f"[{2**70}]")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            ip.check_prompt(bad)
