@@ -102,3 +102,13 @@ def cpu_info() -> CpuInfo:
     except OSError:
         pass
     return CpuInfo(name, frozenset(flags.split()))
+
+
+def describe_dtype(dtype: str) -> str:
+    """The model's dtype for the start-up line, with why where --dtype auto chose it."""
+    if dtype != "auto":
+        return f"{dtype} (--dtype {dtype})"
+    chosen, why = auto_dtype()
+    exact = ("; --dtype float32 is token-exact against transformers" if chosen == "bfloat16"
+             else "")
+    return f"{chosen} (--dtype auto: {why}{exact})"

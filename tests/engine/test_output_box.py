@@ -43,3 +43,31 @@ def test_a_timed_out_wait_loses_nothing():
         return await asyncio.wait_for(box.get(), 1)
 
     assert asyncio.run(run()) == "late"
+
+
+def test_the_sink_is_offered_an_item_only_while_the_consumer_waits_on_an_empty_box():
+    """The direct lane's hook: what the sink takes never reaches get(); what it declines, or
+    what comes while the consumer is busy or items wait, is queued in order."""
+    async def run():
+        box = OutputBox()
+        offered: list[str] = []
+
+        def sink(item):
+            offered.append(item)
+            return item.startswith("take")
+
+        box.sink = sink
+        box.put_nowait("early")  # nobody waits yet: queued, not offered
+        assert await box.get() == "early"
+        got = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)  # the consumer now waits on an empty box
+        box.put_nowait("take-1")  # taken by the sink: the consumer keeps waiting
+        await asyncio.sleep(0)
+        assert not got.done()
+        box.put_nowait("keep-2")  # declined: wakes the consumer
+        box.put_nowait("take-3")  # an item waits: not offered, queued behind it
+        return offered, await got, await box.get()
+
+    offered, first, second = asyncio.run(run())
+    assert offered == ["take-1", "keep-2"]
+    assert (first, second) == ("keep-2", "take-3")

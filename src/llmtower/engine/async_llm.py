@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from llmtower.engine.output_processor import OutputProcessor
 from llmtower.engine.request_output import RequestOutput, RequestOutputKind
 from llmtower.metrics.prometheus import RequestParams, ServingMetrics
 from llmtower.metrics.stats_logger import LoggingStatLogger
-from llmtower.utils import auto_dtype
+from llmtower.utils import describe_dtype
 
 logger = logging.getLogger(__name__)
 # Prompts up to this long (~256 tokens) are encoded on the event loop: 0.1-0.3 ms there,
@@ -150,7 +150,7 @@ class AsyncLLM:
             "enable_prefix_caching": args.enable_prefix_caching,
             "swap_space": args.swap_space, "cache_dtype": args.resolved_dtype()})
         logger.info("serving %s in %s: max_model_len=%d, %d KV blocks of %d tokens",
-                    self.model_name, _dtype_and_why(args), self.max_model_len,
+                    self.model_name, describe_dtype(args.dtype), self.max_model_len,
                     self.ready.num_gpu_blocks, self.ready.block_size)
 
     async def _load_tokenizer(self, path: Any) -> Any:
@@ -246,10 +246,12 @@ class AsyncLLM:
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
                        cache_salt: str | None = None, tenant: str = "",
-                       lora_request: LoRARequest | None = None
+                       lora_request: LoRARequest | None = None,
+                       sink: Callable[[Any], bool] | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the ``RequestOutput`` deltas of one request (all ``n`` samples), the last
-        one with ``finished`` set. Raises EngineDeadError (503), QueueFullError (429),
+        one with ``finished`` set. ``sink`` (OutputBox.sink) may take outputs as they come
+        instead: those it takes (returns True for) are not yielded here. Raises EngineDeadError (503), QueueFullError (429),
         AdmissionError / ValueError (400) or RequestTimeoutError (408, no token within
         ``request_timeout_s``). Leaving the loop early aborts the request in the engine."""
         if self.client.is_dead:
@@ -264,6 +266,7 @@ class AsyncLLM:
         tracked = _Tracked([], len(prompt_token_ids),
                            RequestParams(n=sampling_params.n,
                                          max_tokens=sampling_params.max_tokens))
+        tracked.queue.sink = sink
         engine_reqs = self.output_processor.add_request(
             request_id, prompt, list(prompt_token_ids), params,
             output_kind=RequestOutputKind.DELTA, eos_token_id=self.input_processor.eos_token_id,
@@ -491,13 +494,3 @@ class AsyncLLM:
         for i, snap in zip(indices, snapshots):
             snap.engine_index = i  # an engine does not know its data-parallel index
         return list(snapshots)
-
-
-def _dtype_and_why(args: EngineArgs) -> str:
-    """The model's dtype for the start-up line, with why where --dtype auto chose it."""
-    if args.dtype != "auto":
-        return f"{args.dtype} (--dtype {args.dtype})"
-    dtype, why = auto_dtype()
-    exact = ("; --dtype float32 is token-exact against transformers" if dtype == "bfloat16"
-             else "")
-    return f"{dtype} (--dtype auto: {why}{exact})"

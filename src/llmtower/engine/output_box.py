@@ -9,20 +9,30 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
 class OutputBox:
-    """Owns one request's undelivered outputs (or the exception that ends it), in order, and
-    the future its one consumer waits on while there are none."""
+    """Owns one request's undelivered outputs (or the exception that ends it), in order, the
+    future its one consumer waits on while there are none, and an optional ``sink``: a
+    function that may deliver an item at once, in the producer's call, instead of waking the
+    consumer (the server's direct lane for plain streamed tokens, server/direct_lane.py)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "sink")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[Any], bool] | None = None
 
     def put_nowait(self, item: Any) -> None:
+        # The sink is offered an item only while the consumer waits on an empty box: then
+        # everything before it has been handled, and delivering it now keeps the order.
+        # It returns False (the item is queued as usual) for anything it does not take.
+        if self._waiter is not None and not self._items and self.sink is not None \
+                and self.sink(item):
+            return
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None:

@@ -27,6 +27,7 @@ from llmtower.server.protocol_chat import (
     continue_final_kwargs,
 )
 from llmtower.server.reasoning import ReasoningParser
+from llmtower.server.direct_lane import DirectLane
 from llmtower.server.sse_response import SSEResponse
 from llmtower.server.stream_chunks import StreamChunkEncoder, chat_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
@@ -118,11 +119,17 @@ class OpenAIServingChat(ServingBase):
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
         request_id, engine_id = self.request_ids("chatcmpl", req, raw)
+        # A plain stream: its middle tokens take the direct lane (direct_lane.py).
+        lane = DirectLane() if (req.stream and params.n == 1 and plan is None
+                                and reasoner is None and not req.logprobs
+                                and not req.return_token_ids
+                                and not req.continuous_usage) else None
         stream = merge_streams([self.llm.generate(prompt, ids, params, engine_id,
                                                   priority=req.priority,
                                                   cache_salt=req.cache_salt,
                                                   tenant=self.tenant_of(req, raw),
-                                                  lora_request=self.lora_request(req.model))])
+                                                  lora_request=self.lora_request(req.model),
+                                                  sink=lane.deliver if lane else None)])
         try:
             # The first output decides the status: queue-full, timeout and admission errors
             # get their own HTTP status instead of a broken stream.
@@ -132,7 +139,7 @@ class OpenAIServingChat(ServingBase):
         top_k = req.top_logprobs or 0
         if req.stream:
             return SSEResponse(self._stream(req, request_id, ids, params.n, top_k, first,
-                                            stream, plan, reasoner))
+                                            stream, plan, reasoner, lane), lane)
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, ids, params.n, top_k, first, stream,
@@ -208,7 +215,8 @@ class OpenAIServingChat(ServingBase):
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       n: int, top_k: int, first, stream,
                       plan: ToolPlan | None = None,
-                      reasoner: ReasoningParser | None = None
+                      reasoner: ReasoningParser | None = None,
+                      lane: DirectLane | None = None
                       ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         model = self.response_model(req.model)
@@ -245,6 +253,23 @@ class OpenAIServingChat(ServingBase):
                  and streamers is None)
         encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
         metrics_on_last = req.include_metrics and not req.include_usage  # asked once
+
+        def plain_events(ro: RequestOutput) -> bytes | None:
+            """The lane's encoder: a middle output's events and counts, as the loop below
+            makes them; None, counting nothing, for an output that is not plain."""
+            nonlocal num_tokens
+            if any(c.finish_reason is not None or c.logprobs for c in ro.outputs):
+                return None
+            body = b""
+            for c in ro.outputs:
+                num_tokens += len(c.token_ids)
+                choice_tokens[c.index] += len(c.token_ids)
+                if c.text:
+                    body += encoder.event(chat_choice(c.index, c.text, None, c.stop_reason))
+            return body
+
+        if lane is not None and plain:
+            lane.encode = plain_events
         try:
             while item is not None:
                 _, ro = item

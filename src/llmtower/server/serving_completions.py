@@ -21,6 +21,7 @@ from llmtower.server.protocol_completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from llmtower.server.direct_lane import DirectLane
 from llmtower.server.sse_response import SSEResponse
 from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
@@ -95,9 +96,15 @@ class OpenAIServingCompletion(ServingBase):
         note_prompt(prompts[0][0])
         request_id, engine_id = self.request_ids("cmpl", req, raw)
         tenant = self.tenant_of(req, raw)
+        # One plain stream: its middle tokens take the direct lane (direct_lane.py).
+        lane = DirectLane() if (req.stream and len(prompts) == 1 and params.n == 1
+                                and not req.echo and req.logprobs is None
+                                and not req.return_token_ids
+                                and not req.continuous_usage) else None
         streams = [self.llm.generate(text, ids, params, f"{engine_id}-{i}",
                                      priority=req.priority, cache_salt=req.cache_salt,
-                                     tenant=tenant, lora_request=self.lora_request(req.model))
+                                     tenant=tenant, lora_request=self.lora_request(req.model),
+                                     sink=lane.deliver if lane is not None else None)
                    for i, (text, ids) in enumerate(prompts)]
         merged = merge_streams(streams)
         try:
@@ -109,7 +116,8 @@ class OpenAIServingCompletion(ServingBase):
         except StopAsyncIteration:  # pragma: no cover - every request yields at least once
             first = None
         if req.stream:
-            return SSEResponse(self._stream(req, request_id, prompts, params.n, first, merged))
+            return SSEResponse(self._stream(req, request_id, prompts, params.n, first, merged,
+                                            lane), lane)
         try:
             return await until_disconnect(
                 raw, self._collect(req, request_id, prompts, params.n, first, merged))
@@ -207,7 +215,8 @@ class OpenAIServingCompletion(ServingBase):
             metrics=metrics_info(_merged_metrics(finals)) if req.include_metrics else None)
 
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                      n: int, first, merged) -> AsyncGenerator[str | bytes, None]:
+                      n: int, first, merged, lane: DirectLane | None = None
+                      ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         num_tokens = 0
         num_choices = len(prompts) * n
@@ -237,6 +246,23 @@ class OpenAIServingCompletion(ServingBase):
                 out.usage = make_usage(len(prompts[k // n][1]), choice_tokens[k], num_cached)
             return out
 
+        def plain_events(ro: RequestOutput) -> bytes | None:
+            """The lane's encoder: a middle output's events and counts, as the loop below
+            makes them; None, counting nothing, for an output that is not plain."""
+            nonlocal num_tokens
+            if any(c.finish_reason is not None or c.logprobs for c in ro.outputs):
+                return None
+            body = b""
+            for c in ro.outputs:
+                num_tokens += len(c.token_ids)
+                choice_tokens[c.index] += len(c.token_ids)
+                if c.text:
+                    body += encoder.event(completion_choice(c.index, c.text, None,
+                                                            c.stop_reason))
+            return body
+
+        if lane is not None:
+            lane.encode = plain_events
         try:
             if req.echo:  # the prompt first, one chunk per choice
                 for k in range(num_choices):

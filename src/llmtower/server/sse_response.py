@@ -21,6 +21,8 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
+from llmtower.server.direct_lane import DirectLane, DirectWriter
+
 # The scope key of the server's own ``send`` (set by DirectBodySend).
 BODY_SEND = "llmtower.body_send"
 
@@ -46,8 +48,10 @@ class SSEResponse(StreamingResponse):
     end of the body; the client hanging up cancels the events' generator (which aborts the
     request in the engine)."""
 
-    def __init__(self, events: AsyncIterator[str | bytes]) -> None:
+    def __init__(self, events: AsyncIterator[str | bytes],
+                 lane: DirectLane | None = None) -> None:
         super().__init__(events, media_type="text/event-stream")
+        self.lane = lane  # where the stream has one: opened once the status line is out
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         body_send = scope.get(BODY_SEND) or send
@@ -67,9 +71,16 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         charset = self.charset
-        async for event in self.body_iterator:
-            body = event.encode(charset) if isinstance(event, str) else event
-            await body_send({"type": "http.response.body", "body": body, "more_body": True})
+        lane = self.lane
+        if lane is not None:
+            lane.writer = DirectWriter.of(body_send)
+        try:
+            async for event in self.body_iterator:
+                body = event.encode(charset) if isinstance(event, str) else event
+                await body_send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            if lane is not None:  # the end goes the ordinary way, and nothing after it
+                lane.writer = None
         await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
