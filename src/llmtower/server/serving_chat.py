@@ -29,7 +29,7 @@ from llmtower.server.protocol_chat import (
 from llmtower.server.reasoning import ReasoningParser
 from llmtower.server.direct_lane import DirectLane
 from llmtower.server.sse_response import SSEResponse
-from llmtower.server.stream_chunks import StreamChunkEncoder, chat_choice
+from llmtower.server.stream_chunks import StreamChunkEncoder, chat_choice, plain_events
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info, prompt_logprobs_json, sse,
                                           sse_error, token_text, until_disconnect)
@@ -254,22 +254,17 @@ class OpenAIServingChat(ServingBase):
         encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
         metrics_on_last = req.include_metrics and not req.include_usage  # asked once
 
-        def plain_events(ro: RequestOutput) -> bytes | None:
-            """The lane's encoder: a middle output's events and counts, as the loop below
-            makes them; None, counting nothing, for an output that is not plain."""
+        def lane_events(ro: RequestOutput) -> bytes | None:
+            """The lane's encoder, counting as the loop below counts."""
             nonlocal num_tokens
-            if any(c.finish_reason is not None or c.logprobs for c in ro.outputs):
+            got = plain_events(ro, encoder, chat_choice, choice_tokens)
+            if got is None:
                 return None
-            body = b""
-            for c in ro.outputs:
-                num_tokens += len(c.token_ids)
-                choice_tokens[c.index] += len(c.token_ids)
-                if c.text:
-                    body += encoder.event(chat_choice(c.index, c.text, None, c.stop_reason))
-            return body
+            num_tokens += got[1]
+            return got[0]
 
         if lane is not None and plain:
-            lane.encode = plain_events
+            lane.encode = lane_events
         try:
             while item is not None:
                 _, ro = item

@@ -23,7 +23,7 @@ from llmtower.server.protocol_completions import (
 )
 from llmtower.server.direct_lane import DirectLane
 from llmtower.server.sse_response import SSEResponse
-from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice
+from llmtower.server.stream_chunks import StreamChunkEncoder, completion_choice, plain_events
 from llmtower.server.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, make_usage,
                                           merge_streams, metrics_info,
                                           prompt_logprobs_json, sse, sse_error, token_text,
@@ -246,23 +246,17 @@ class OpenAIServingCompletion(ServingBase):
                 out.usage = make_usage(len(prompts[k // n][1]), choice_tokens[k], num_cached)
             return out
 
-        def plain_events(ro: RequestOutput) -> bytes | None:
-            """The lane's encoder: a middle output's events and counts, as the loop below
-            makes them; None, counting nothing, for an output that is not plain."""
+        def lane_events(ro: RequestOutput) -> bytes | None:
+            """The lane's encoder, counting as the loop below counts."""
             nonlocal num_tokens
-            if any(c.finish_reason is not None or c.logprobs for c in ro.outputs):
+            got = plain_events(ro, encoder, completion_choice, choice_tokens)
+            if got is None:
                 return None
-            body = b""
-            for c in ro.outputs:
-                num_tokens += len(c.token_ids)
-                choice_tokens[c.index] += len(c.token_ids)
-                if c.text:
-                    body += encoder.event(completion_choice(c.index, c.text, None,
-                                                            c.stop_reason))
-            return body
+            num_tokens += got[1]
+            return got[0]
 
         if lane is not None:
-            lane.encode = plain_events
+            lane.encode = lane_events
         try:
             if req.echo:  # the prompt first, one chunk per choice
                 for k in range(num_choices):

@@ -6,10 +6,12 @@ metrics or token ids (tests/server/test_stream_chunks.py holds them equal); the 
 keep the pydantic models for every other chunk."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
+from llmtower.engine.request_output import RequestOutput
 from llmtower.server.protocol import SYSTEM_FINGERPRINT
 
 
@@ -53,3 +55,22 @@ def _with_nulls(choice: dict[str, Any], finish_reason: str | None,
     if finish_reason is None:
         choice["finish_reason"] = None
     return choice
+
+
+def plain_events(ro: RequestOutput, encoder: StreamChunkEncoder,
+                 make_choice: Callable[[int, str, None, Any], dict[str, Any]],
+                 choice_tokens: list[int]) -> tuple[bytes, int] | None:
+    """A middle output of a plain stream as the direct lane writes it (direct_lane.py): its
+    events (one per choice with text) and its token count, the choices' counts in
+    ``choice_tokens`` updated; None, counting nothing, for an output with a finish or logprobs
+    (the endpoint's own loop makes those)."""
+    if any(c.finish_reason is not None or c.logprobs for c in ro.outputs):
+        return None
+    body = b""
+    num_tokens = 0
+    for c in ro.outputs:
+        num_tokens += len(c.token_ids)
+        choice_tokens[c.index] += len(c.token_ids)
+        if c.text:
+            body += encoder.event(make_choice(c.index, c.text, None, c.stop_reason))
+    return body, num_tokens
