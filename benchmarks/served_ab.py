@@ -1,6 +1,6 @@
 """Two source trees served side by side: `llmtower serve` from each tree in turn (the client
-this tree's), cold runs at an infinite rate after a warm-up on other prompts; output tok/s and
-p99 TTFT per run. E.g. the thread governor before and after (a worktree whose
+this tree's), cold runs (at an infinite rate unless --rate says otherwise) after a warm-up on
+other prompts; output tok/s, TTFT (median, p99) and median TPOT per run. E.g. the thread governor before and after (a worktree whose
 src/llmtower/executor/cpu_threads.py is the old one):
 
     git worktree add --detach /tmp/old HEAD
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rate", default="inf", help="request rate of the measured run (req/s)")
     args = ap.parse_args()
     trees = {"a": args.a_src, "this tree": str(ROOT / "src")}
     for r in range(args.rounds):
@@ -41,10 +42,12 @@ def main() -> None:
                 shape = {"input_len": args.input_len, "output_len": args.output_len}
                 bench(s.port, served, args.model, "inf", seed=1,
                       num_prompts=max(4, args.num_prompts // 4), **shape)
-                c = bench(s.port, served, args.model, "inf", seed=0,
+                c = bench(s.port, served, args.model, args.rate, seed=0,
                           num_prompts=args.num_prompts, **shape)
-                print(f"round {r} {name}: cold {c['output_throughput']:.1f} tok/s, p99 TTFT "
-                      f"{c['ttft_ms']['p99']:,.0f} ms (load {load()})", flush=True)
+                print(f"round {r} {name}: cold {c['output_throughput']:.1f} tok/s, TTFT median "
+                      f"{c['ttft_ms']['median']:,.0f} / p99 {c['ttft_ms']['p99']:,.0f} ms, "
+                      f"median TPOT {c['tpot_ms']['median']:.1f} ms (rate {args.rate}, load "
+                      f"{load()})", flush=True)
             finally:
                 s.stop()
 
