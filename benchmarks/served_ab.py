@@ -12,6 +12,7 @@ src/llmtower/executor/cpu_threads.py is the old one):
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,11 +33,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rate", default="inf", help="request rate of the measured run (req/s)")
+    ap.add_argument("--serve-args", default="", help="more `llmtower serve` flags, both trees")
     args = ap.parse_args()
     trees = {"a": args.a_src, "this tree": str(ROOT / "src")}
     for r in range(args.rounds):
         for name, src in trees.items():
-            s = Server(["--model", args.model], src=src)
+            s = Server(["--model", args.model, *shlex.split(args.serve_args)], src=src)
             try:
                 served = httpx.get(f"http://127.0.0.1:{s.port}/v1/models").json()["data"][0]["id"]
                 shape = {"input_len": args.input_len, "output_len": args.output_len}
