@@ -370,25 +370,6 @@ static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int n
  * one row. */
 #define QG_MR16 8
 
-/* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes. */
-static inline __attribute__((always_inline)) void
-transpose16(const uint8_t *p0, int64_t row_bytes, __m512i P[4]) {
-    __m512i A[4]; /* A[c] 128-bit lane L: row 4L + c */
-    for (int c = 0; c < 4; c++) {
-        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + c * row_bytes)));
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (4 + c) * row_bytes)), 1);
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (8 + c) * row_bytes)), 2);
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (12 + c) * row_bytes)), 3);
-        A[c] = a;
-    }
-    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
-    P[0] = _mm512_unpacklo_epi64(t0, t2);
-    P[1] = _mm512_unpackhi_epi64(t0, t2);
-    P[2] = _mm512_unpacklo_epi64(t1, t3);
-    P[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
 /* Weight rows w .. w + 15 (row_bytes apart) times MR rows of x: y[r * ldy + 0 .. 15]. */
 static inline __attribute__((always_inline)) void
 cols16_fast(const int FMT, const int PREFETCH, const uint8_t *w, int64_t row_bytes, int64_t nb,
