@@ -33,6 +33,10 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
 #if QG_FAST
 /* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
 void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);
+/* quant_gemm_16.c: groups [g0, g1) of 16 weight rows of a Q4_0 / Q8_0 matrix times m rows of x. */
+void c16_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t k,
+                int64_t m, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+                int64_t ldy);
 /* quant_gemm_k16.c: groups [g0, g1) of 16 weight rows of a K-format matrix times m rows of x. */
 void kc_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t k,
                int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
