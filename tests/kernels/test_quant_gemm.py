@@ -69,6 +69,33 @@ def test_product_matches_float_product_of_dequantized(qtype, m, path):
     assert (got - want).abs().mean() < 0.05 * want.abs().mean()
 
 
+@pytest.mark.parametrize("m", [4, 5, 9, 17])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_many_row_products_agree_with_portable_code_across_tile_edges(qtype, m):
+    """The fast code's groups of 16 weight rows (quant_gemm_16.c, quant_gemm_k16.c) over row
+    counts around their tiles (the K formats from 5 rows of x, 8 rows per pass, 9+ in Q4_0 /
+    Q8_0's chunked form), a K of 5 super-blocks / 40 blocks (past a chunk of 4 / 32), and 40
+    weight rows (two groups and 8 rows left to the one-row code): the portable code's sums up
+    to float rounding, and inside the int8 bound of the float product."""
+    if 0 not in PATHS:
+        pytest.skip("the fast code is not built here")
+    n, k = 40, 1280
+    data = random_blocks(qtype, n, k, seed=m + 7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 7))
+    fast = from_numpy(int(qtype), data, n, k, path=0)(x).double()
+    portable = from_numpy(int(qtype), data, n, k, path=1)(x).double()
+    scale = portable.abs().mean()
+    assert (fast - portable).abs().max() < 1e-5 * scale
+    if int(qtype) in K_FORMATS:  # the one-weight-row fast code alike (path 2)
+        one_row = from_numpy(int(qtype), data, n, k, path=2)(x).double()
+        assert (fast - one_row).abs().max() < 1e-5 * scale
+    wf = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float64))
+    blk = 256 if int(qtype) in K_FORMATS else 32
+    step = x.view(m, k // blk, blk).abs().amax(-1).double() / 254
+    bound = (step.repeat_interleave(blk, dim=1) @ wf.abs().T) * 1.01 + 1e-4
+    assert ((fast - x.double() @ wf.T).abs() <= bound).all()
+
+
 def test_k_activations_are_int8_per_256_with_sums_of_16():
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)) * 3
     x[1, :256] = 0.0  # an all-zero block: scale 0, values 0

@@ -50,16 +50,18 @@ def test_many_rows_take_the_weight_a_slab_at_a_time(monkeypatch):
 
 
 def test_without_amx_each_format_keeps_the_int8_kernel_up_to_its_own_row_limit(monkeypatch):
-    """Without AMX a 144-row prefill chunk stays on the int8 kernel for Q4_0, and at 200 rows
-    a Q4_0 part keeps it while a Q6_K part beside it takes bfloat16 slabs."""
+    """Without AMX a whole 512-row GGUF prefill chunk stays on the int8 kernel for Q4_0 and the
+    K formats (their 16-weight-row code), and at 200 rows a Q6_K part keeps it while a Q4_1
+    part beside it (not measured: the AMX limit) takes bfloat16 slabs."""
     if not ops.capabilities().can_run("quant_gemm"):
         pytest.skip(ops.capabilities().why_not("quant_gemm"))
     monkeypatch.setattr(quant_block, "_has_amx", lambda: False)
-    assert quant_block.int8_max_rows(int(Q.Q4_0)) >= 144
-    assert quant_block.int8_max_rows(int(Q.Q6_K)) < 200 <= quant_block.int8_max_rows(int(Q.Q4_0))
+    for q in (Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        assert quant_block.int8_max_rows(int(q)) >= 512
+    assert quant_block.int8_max_rows(int(Q.Q4_1)) < 200 <= quant_block.int8_max_rows(int(Q.Q6_K))
     k = 256
-    parts = [from_numpy(int(Q.Q4_0), random_blocks(Q.Q4_0, 48, k, seed=1), 48, k),
-             from_numpy(int(Q.Q6_K), random_blocks(Q.Q6_K, 32, k, seed=2), 32, k)]
+    parts = [from_numpy(int(Q.Q6_K), random_blocks(Q.Q6_K, 48, k, seed=1), 48, k),
+             from_numpy(int(Q.Q4_1), random_blocks(Q.Q4_1, 32, k, seed=2), 32, k)]
     layer = BlockQuantLinear(parts)
     x = torch.randn(200, k, generator=torch.Generator().manual_seed(0))
     got = layer(x)

@@ -33,6 +33,36 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
 #if QG_FAST
 /* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
 void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);
+/* quant_gemm_16.c: groups [g0, g1) of 16 weight rows of a Q4_0 / Q8_0 matrix times m rows of x. */
+void c16_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t k,
+                int64_t m, const int8_t *qa, const float *da, const int32_t *ns, float *y,
+                int64_t ldy);
+/* quant_gemm_k16.c: groups [g0, g1) of 16 weight rows of a K-format matrix times m rows of x. */
+void kc_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t k,
+               int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
+               int64_t ldy);
+#endif
+
+#if QG_FAST
+/* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes: sixteen weight rows
+ * transposed so that int32 lane i holds row i (quant_gemm.c cols16, quant_gemm_k16.c). */
+static inline __attribute__((always_inline)) void
+transpose16(const uint8_t *p0, int64_t row_bytes, __m512i P[4]) {
+    __m512i A[4]; /* A[c] 128-bit lane L: row 4L + c */
+    for (int c = 0; c < 4; c++) {
+        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + c * row_bytes)));
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (4 + c) * row_bytes)), 1);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (8 + c) * row_bytes)), 2);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (12 + c) * row_bytes)), 3);
+        A[c] = a;
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
+    P[0] = _mm512_unpacklo_epi64(t0, t2);
+    P[1] = _mm512_unpackhi_epi64(t0, t2);
+    P[2] = _mm512_unpacklo_epi64(t1, t3);
+    P[3] = _mm512_unpackhi_epi64(t1, t3);
+}
 #endif
 
 enum { F_Q4_0 = 2, F_Q4_1 = 3, F_Q8_0 = 8, F_Q4_K = 12, F_Q5_K = 13, F_Q6_K = 14 };

@@ -361,107 +361,6 @@ static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int n
     }
 }
 
-/* Sixteen weight rows at once (Q4_0, Q8_0), read from the file's layout: the rows' blocks b
- * are transposed in registers so that int32 lane i of a vector holds row i's values 4g ..
- * 4g+3; one vpdpbusd against those 4 activation bytes broadcast then adds all 16 rows'
- * products, the 16 rows' scales are one vector (a gather of their float16s), and a block's
- * float work is one multiply-add per 16 rows instead of one per row. The transposition is
- * shared by all rows of x (taken QG_MR16 at a time), so a small batch costs little more than
- * one row. */
-#define QG_MR16 8
-
-/* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes. */
-static inline __attribute__((always_inline)) void
-transpose16(const uint8_t *p0, int64_t row_bytes, __m512i P[4]) {
-    __m512i A[4]; /* A[c] 128-bit lane L: row 4L + c */
-    for (int c = 0; c < 4; c++) {
-        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + c * row_bytes)));
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (4 + c) * row_bytes)), 1);
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (8 + c) * row_bytes)), 2);
-        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(p0 + (12 + c) * row_bytes)), 3);
-        A[c] = a;
-    }
-    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
-    P[0] = _mm512_unpacklo_epi64(t0, t2);
-    P[1] = _mm512_unpackhi_epi64(t0, t2);
-    P[2] = _mm512_unpacklo_epi64(t1, t3);
-    P[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-/* Weight rows w .. w + 15 (row_bytes apart) times MR rows of x: y[r * ldy + 0 .. 15]. */
-static inline __attribute__((always_inline)) void
-cols16_fast(const int FMT, const int PREFETCH, const uint8_t *w, int64_t row_bytes, int64_t nb,
-            int64_t k, const int MR, const int8_t *qa, const float *da, const int32_t *ns, float *y,
-            int64_t ldy) {
-    const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : 34;
-    const int off = FMT == F_Q4_0 ? 8 : 128;
-    __m512 acc[QG_MR16];
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i rowoff = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32((int)row_bytes));
-    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    /* the next 16 rows (contiguous) are fetched while these are read: the column-wise reads
-     * of 16 rows are not a pattern the hardware prefetcher follows well */
-    const uint8_t *next = w + 16 * row_bytes;
-    const int64_t ahead = (16 * row_bytes + nb - 1) / nb; /* bytes of it per block */
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        if (PREFETCH)
-            for (int64_t o = 0; o < ahead; o += 64) _mm_prefetch((const char *)(next + b * ahead + o), _MM_HINT_T0);
-        /* the 16 rows' float16 scales: the low halves of a dword gather */
-        const __m512i sh = _mm512_i32gather_epi32(rowoff, (const void *)blk, 1);
-        const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sh));
-        __m512i u[8], P[4]; /* u[g]: the 16 rows' values 4g .. 4g+3 */
-        if (FMT == F_Q4_0) {
-            transpose16(blk + 2, row_bytes, P);
-            for (int v = 0; v < 4; v++) {
-                u[v] = _mm512_and_si512(P[v], m4);
-                u[4 + v] = _mm512_and_si512(_mm512_srli_epi16(P[v], 4), m4);
-            }
-        } else {
-            for (int h = 0; h < 2; h++) {
-                transpose16(blk + 2 + 16 * h, row_bytes, P);
-                for (int v = 0; v < 4; v++) u[4 * h + v] = _mm512_xor_si512(P[v], flip);
-            }
-        }
-        for (int r = 0; r < MR; r++) {
-            const int64_t i = r * nbk + b;
-            const int8_t *q = qa + 32 * i;
-            /* lanes start at -o * sum qa (ns: minus the sums of the two halves) */
-            __m512i dot = _mm512_set1_epi32((ns[8 * i] + ns[8 * i + 4]) * off);
-            for (int g = 0; g < 8; g++) {
-                int32_t q4;
-                memcpy(&q4, q + 4 * g, 4);
-                dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(q4));
-            }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, _mm512_set1_ps(da[i])),
-                                     acc[r]);
-        }
-    }
-    for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
-}
-
-#define COLS16(FMT, PF)                                                                            \
-    switch (mr) {                                                                                \
-    case 1: cols16_fast(FMT, PF, w, row_bytes, nb, k, 1, qa, da, ns, y, ldy); break;                 \
-    case 2: cols16_fast(FMT, PF, w, row_bytes, nb, k, 2, qa, da, ns, y, ldy); break;                 \
-    case 4: cols16_fast(FMT, PF, w, row_bytes, nb, k, 4, qa, da, ns, y, ldy); break;                 \
-    default: cols16_fast(FMT, PF, w, row_bytes, nb, k, 8, qa, da, ns, y, ldy); break;                \
-    }
-
-/* mr: 1, 2, 4 or 8 (constant row counts: the accumulators stay in registers) */
-static void cols16_any(int fmt, int prefetch, const uint8_t *w, int64_t row_bytes, int64_t nb,
-                       int64_t k, int mr, const int8_t *qa, const float *da, const int32_t *ns, float *y,
-                       int64_t ldy) {
-    /* the last group of a thread's share prefetches nothing (it may be the matrix's end) */
-    if (fmt == F_Q4_0) {
-        if (prefetch) COLS16(F_Q4_0, 1) else COLS16(F_Q4_0, 0)
-    } else {
-        if (prefetch) COLS16(F_Q8_0, 1) else COLS16(F_Q8_0, 0)
-    }
-}
 #endif
 
 /* quant_gemm's work for the calling thread of the enclosing team (its share of the weight
@@ -472,21 +371,14 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
                       const int32_t *ns, float *y, int64_t ldy, int path) {
     const int64_t nb = k / 32, nbk = k / 32;
     const int fast = QG_FAST && path == 0;
-    /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (cols16), the rest one by one */
+    /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (quant_gemm_16.c), the rest one by one */
     const int64_t n16 = fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
     (void)ns;
     {
         const int64_t t = kernel_thread(), team = kernel_team();
 #if QG_FAST
-        const int64_t g1 = n16 / 16 * (t + 1) / team;
-        for (int64_t g = n16 / 16 * t / team; g < g1; g++)
-            for (int64_t r0 = 0; r0 < m;) {
-                const int64_t left = m - r0;
-                const int mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                cols16_any(fmt, g + 1 < g1 && r0 == 0, w + 16 * g * row_bytes, row_bytes, nb, k, mr, qa + r0 * k,
-                           da + r0 * nbk, ns + 8 * r0 * nbk, y + r0 * ldy + 16 * g, ldy);
-                r0 += mr;
-            }
+        if (n16) c16_groups(fmt, w, row_bytes, n16 / 16 * t / team, n16 / 16 * (t + 1) / team, k, m,
+                            qa, da, ns, y, ldy);
 #endif
         int64_t j0 = n16 + (n - n16) * t / team;
         const int64_t j1 = n16 + (n - n16) * (t + 1) / team;

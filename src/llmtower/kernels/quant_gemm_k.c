@@ -30,6 +30,11 @@
 #include "threads.h"
 
 #define QK_MR 8 /* most rows of x per pass over a weight row */
+/* Fewest rows of x for the 16-weight-row code (quant_gemm_k16.c): below, unpacking a chunk for
+ * all 16 rows costs more than the one-row code's repeated unpacking saves (CPU ms, 1 thread,
+ * Q4_K [16384x2048] at 4 / 6 rows: 1.62 vs 1.28 / 2.01 vs 2.13; Q6_K [2048x8192] 1.15 vs 0.78
+ * / 1.39 vs 1.61). */
+#define KC_MIN_ROWS 5
 
 static inline int is_k_format(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K; }
 
@@ -322,8 +327,9 @@ static void krows_fast_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, 
 #endif
 
 /* y[r * ldy + j] = sum_i x_r[i] w_j[i] for the m rows of x quantized by quant_act_k and the n
- * rows of w (a K format, row_bytes each). path 1: the portable code. Returns -1 for a format
- * that is not a K format or a k that 256 does not divide. */
+ * rows of w (a K format, row_bytes each). path 1: the portable code; path 2: the fast code one
+ * weight row at a time only. Returns -1 for a format that is not a K format or a k that 256
+ * does not divide. */
 int quant_gemm_k(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t m,
                  const int8_t *qa, const float *da, const int16_t *bs, float *y, int64_t ldy,
                  int nthreads, int path) {
@@ -339,10 +345,17 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
                         int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
                         int64_t ldy, int path) {
     const int64_t nb = k / 256;
-    const int fast = QG_FAST && path == 0;
+    const int fast = QG_FAST && path != 1;
+    /* from KC_MIN_ROWS rows of x on the fast path: groups of 16 weight rows (quant_gemm_k16.c),
+     * the rest one by one; path 2: one by one only (benchmarks and tests compare) */
+    const int64_t n16 = fast && path != 2 && m >= KC_MIN_ROWS ? n / 16 * 16 : 0;
     {
         const int64_t t = kernel_thread(), team = kernel_team();
-        const int64_t j0 = n * t / team, j1 = n * (t + 1) / team;
+#if QG_FAST
+        if (n16) kc_groups(fmt, w, row_bytes, n16 / 16 * t / team, n16 / 16 * (t + 1) / team, k, m,
+                           qa, da, bs, y, ldy);
+#endif
+        const int64_t j0 = n16 + (n - n16) * t / team, j1 = n16 + (n - n16) * (t + 1) / team;
         float out[QK_MR];
         int mr = 1;
         for (int64_t j = j0; j < j1; j++) {

@@ -196,14 +196,15 @@ DEQUANT_SLAB_MIN_ROWS = 2048
 # 340-370 vs 250-270 at 144, measured under heavy load). It is also the most rows of a decode
 # step for the fused GGUF layer (kernels/quant_layer.c), every part by the int8 kernel.
 BLOCK_KERNEL_MAX_ROWS = 96
-# Without AMX (oneDNN's bfloat16 on AVX512_BF16, AMD Zen 4 here) the int8 kernel wins further
-# on Q4_0 (its 16-row groups): wall ms, benchmarks/gguf_prefill_products.py, int8 vs bfloat16
-# slabs, gate/up [16384x2048], 2 threads at 144 / 256 / 384 rows: 24 vs 42 / 42 vs 51 / 60 vs
-# 63; 1 thread at 144: 48 vs 98. A 144-token prompt's chunk so stays on the int8 kernel. The
-# K formats measured mixed at 144 rows (Q4_K gate/up 1.06-1.6x faster on int8, Q4_K o
-# [2048x2048] 0.5x, Q6_K down 1.1x; one-stream Q4_K_M end to end not faster, at load 6-9),
-# so they keep 96; the other formats were not measured.
-INT8_MAX_ROWS_NO_AMX = {2: 384}
+# Without AMX (oneDNN's bfloat16 on AVX512_BF16, AMD Zen here) the int8 kernel wins further:
+# wall ms, benchmarks/gguf_prefill_products.py, int8 vs bfloat16 slabs, 2 threads. Q4_0 gate/up
+# [16384x2048] at 144 / 256 / 384 rows: 24 vs 42 / 42 vs 51 / 60 vs 63; 1 thread at 144: 48 vs
+# 98; since its blocks are transposed once per chunk for all rows (kernels/quant_gemm_16.c)
+# at 512 rows 112 vs 178 (load 2.2). The K formats since their 16-weight-row code (kernels/quant_gemm_k16.c), at 144 / 384 /
+# 512 rows: Q4_K gate/up 78 vs 250 / 176 vs 350 / 106 vs 230, Q6_K down [2048x8192] 60 vs 170
+# / 92 vs 181 / 136 vs 209 (load 5-8), so a whole 512-token chunk (GGUF_TOKEN_BUDGET) stays on
+# the int8 kernel; the other formats were not measured.
+INT8_MAX_ROWS_NO_AMX = {2: 512, 12: 512, 13: 512, 14: 512}
 
 
 def _has_amx() -> bool:
