@@ -191,7 +191,7 @@ def test_data_parallel_engine_death_spares_the_other_engines_requests(tokenizer)
         assert llm.client.in_flight == [1, 0]  # the request lives on engine 0
         os.kill(llm.client.pids[1], signal.SIGKILL)
         n = 1
-        async for ro in gen:
+        async for _ro in gen:
             n += 1
         alive_after_one, health = not llm.is_dead, llm.client.health()
         os.kill(llm.client.pids[0], signal.SIGKILL)

@@ -140,10 +140,10 @@ def test_a_ready_socket_gets_the_chunk_framed_as_uvicorn_frames_it():
     assert lane.deliver(_output("hi")) is True
     assert transport.written == [b"a\r\ndata: hi\n\n\r\n"]  # 10 bytes
     # an output with nothing to show (an incomplete character) is taken, writing nothing
-    lane.encode = lambda ro: b""
+    lane.encode = lambda _ro: b""
     assert lane.deliver(_output("")) is True and len(transport.written) == 1
     # an encoder that finds the output not plain leaves it to the stream task
-    lane.encode = lambda ro: None
+    lane.encode = lambda _ro: None
     assert lane.deliver(_output("x")) is False
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402 (only where schemathesis is installed)
 
 EXAMPLES = int(os.environ.get("LLMTOWER_FUZZ_EXAMPLES", "15"))
 SECONDS = float(os.environ.get("LLMTOWER_FUZZ_SECONDS", "30"))

@@ -250,10 +250,10 @@ class AsyncLLM:
                        sink: Callable[[Any], bool] | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the ``RequestOutput`` deltas of one request (all ``n`` samples), the last
-        one with ``finished`` set. ``sink`` (OutputBox.sink) may take outputs as they come
-        instead: those it takes (returns True for) are not yielded here. Raises EngineDeadError (503), QueueFullError (429),
-        AdmissionError / ValueError (400) or RequestTimeoutError (408, no token within
-        ``request_timeout_s``). Leaving the loop early aborts the request in the engine."""
+        one with ``finished`` set; outputs that ``sink`` (OutputBox.sink) takes are not
+        yielded. Raises EngineDeadError (503), QueueFullError (429), AdmissionError /
+        ValueError (400) or RequestTimeoutError (408, no token within ``request_timeout_s``).
+        Leaving the loop early aborts the request in the engine."""
         if self.client.is_dead:
             raise EngineDeadError(self.client.dead_reason)
         if self._refusing is not None:

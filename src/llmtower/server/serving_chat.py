@@ -119,11 +119,9 @@ class OpenAIServingChat(ServingBase):
         ids = self.llm.check_prompt(ids, params)  # truncated if truncate_prompt_tokens asks
         note_prompt(prompt)
         request_id, engine_id = self.request_ids("chatcmpl", req, raw)
-        # A plain stream: its middle tokens take the direct lane (direct_lane.py).
-        lane = DirectLane() if (req.stream and params.n == 1 and plan is None
-                                and reasoner is None and not req.logprobs
-                                and not req.return_token_ids
-                                and not req.continuous_usage) else None
+        # One stream of one sample: its plain middle tokens may take the direct lane
+        # (direct_lane.py; _stream opens it where the chunks are plain).
+        lane = DirectLane() if req.stream and params.n == 1 else None
         stream = merge_streams([self.llm.generate(prompt, ids, params, engine_id,
                                                   priority=req.priority,
                                                   cache_salt=req.cache_salt,

@@ -96,11 +96,9 @@ class OpenAIServingCompletion(ServingBase):
         note_prompt(prompts[0][0])
         request_id, engine_id = self.request_ids("cmpl", req, raw)
         tenant = self.tenant_of(req, raw)
-        # One plain stream: its middle tokens take the direct lane (direct_lane.py).
-        lane = DirectLane() if (req.stream and len(prompts) == 1 and params.n == 1
-                                and not req.echo and req.logprobs is None
-                                and not req.return_token_ids
-                                and not req.continuous_usage) else None
+        # One stream of one sample: its plain middle tokens may take the direct lane
+        # (direct_lane.py; _stream opens it where the chunks are plain).
+        lane = DirectLane() if req.stream and len(prompts) == 1 and params.n == 1 else None
         streams = [self.llm.generate(text, ids, params, f"{engine_id}-{i}",
                                      priority=req.priority, cache_salt=req.cache_salt,
                                      tenant=tenant, lora_request=self.lora_request(req.model),
@@ -255,7 +253,7 @@ class OpenAIServingCompletion(ServingBase):
             num_tokens += got[1]
             return got[0]
 
-        if lane is not None:
+        if lane is not None and plain and not req.echo:  # echo_only drops the engine's token
             lane.encode = lane_events
         try:
             if req.echo:  # the prompt first, one chunk per choice
