@@ -93,9 +93,13 @@ def test_streamed_chunks_carry_null_finish_reason_and_logprobs(tiny_server, path
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     choices = [e["choices"][0] for e in events if e["choices"]]
-    assert len(choices) >= 2
+    # A token that ends inside a UTF-8 character adds no text and sends no chunk, so the
+    # random model's four sampled tokens may come as one chunk (CI saw '\ufffd\ufffdӢ' alone);
+    # chat always opens with its role chunk.
+    assert len(choices) >= (2 if "messages" in body else 1)
+    assert all("logprobs" in choice for choice in choices)
     for choice in choices[:-1]:
-        assert choice["finish_reason"] is None and "logprobs" in choice
+        assert choice["finish_reason"] is None
     assert choices[-1]["finish_reason"] == "length"
     assert all(e["system_fingerprint"] for e in events)
 

@@ -8,6 +8,7 @@ scheduler interleaved them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -70,6 +71,11 @@ class LLM:
             eos_token_ids=info.eos_token_ids, default_sampling=defaults,
             max_model_len_reason=engine_core.scheduler.config.max_model_len_reason,
             max_logprobs=args.max_logprobs))
+        # The model, its modules and the imports live as long as this LLM: frozen out of the
+        # collector's reach, so that its full passes (set off by every step's garbage) stop
+        # walking them, as in the engine process (core_proc.py) and vLLM's engine core.
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_engine_core(cls, engine_core: EngineCore, tokenizer: Any,
