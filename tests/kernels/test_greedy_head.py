@@ -172,7 +172,7 @@ def test_grammar_bitmasks_are_applied_as_xgrammar_applies_them(dtype, path):
     tokens are the masked full logits' argmax, the row's best allowed token even where its
     overall best is disallowed."""
     g = torch.Generator().manual_seed(11)
-    n, k = 1000, 96
+    n, k = 1003, 96  # the last tile's 43 columns: 5 vectors of 8 and 3 one by one
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
     head, kernel = _head(w, path)
     words = -(-n // 32)

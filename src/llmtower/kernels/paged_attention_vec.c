@@ -76,6 +76,10 @@ static inline __attribute__((always_inline)) void weigh(const void *V, const int
         for (int i = 0; i < NH; i++) {
             const vf e = vf_set1(s[i * st + p]);
             for (int c = 0; c < VC; c++) a[i][c] = vf_fma(e, ldv(V, at + c * VEC_LANES, BF16), a[i][c]);
+            /* float32: each head's FMAs take the values from memory again. Kept in registers
+             * for all heads (the compiler's choice) they leave one accumulator too few, and
+             * the one spilled went through a store and a load every key (AVX2, three heads). */
+            if (!BF16 && i + 1 < NH) __asm__ volatile("" ::: "memory");
         }
     }
     for (int i = 0; i < NH; i++)
