@@ -25,9 +25,9 @@ serve: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
-# Static checks: ruff (style, imports, unused code) and mypy (types) over src/.
+# Static checks: ruff (style, imports, unused code) and mypy (types) over src/ (ruff over tests/ too).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src
+	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
 clean:

@@ -49,7 +49,7 @@ def _gemm_bf16_range(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def odd_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:  # noqa: F811
+def odd_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """Four layers with q/k/v biases and sizes that are no multiple of the kernel's tiles
     (hidden 96, 3:1 heads of 32, intermediate 200); norms and biases random too (they are
     ones and zeros at initialization, which would hide a mix-up)."""
@@ -155,7 +155,7 @@ def test_logits_equal_the_separate_kernels_bit_for_bit(odd_qwen2_dir, monkeypatc
         assert torch.equal(a, b)
 
 
-def test_the_model_uses_it_only_where_it_runs(odd_qwen2_dir, tiny_llama_dir):  # noqa: F811
+def test_the_model_uses_it_only_where_it_runs(odd_qwen2_dir, tiny_llama_dir):
     from llmtower.models.loader import load_model_config, load_state_dict
     for d in (odd_qwen2_dir, tiny_llama_dir):
         cfg = load_model_config(d)
@@ -227,7 +227,7 @@ def test_bad_float32_inputs_are_refused():
 
 
 @pytest.fixture(scope="module")
-def tied_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:  # noqa: F811
+def tied_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """Three layers, tied embeddings, GQA 4:2, head_dim 16."""
     return make_tiny_model_dir(tmp_path_factory, "llama", tie=True, tokenizer_dir=tiny_tokenizer_dir,
                                hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -215,7 +215,7 @@ def test_bad_inputs_are_refused():
         GreedyHead(bad_w, GemvWeight(bad_w))
 
 
-def test_greedy_tokens_fall_back_to_the_full_layer(tiny_llama_dir):  # noqa: F811
+def test_greedy_tokens_fall_back_to_the_full_layer(tiny_llama_dir):
     """The model's greedy_tokens: rows the screen leaves (-1) get the full logits' argmax."""
     core = make_engine(tiny_llama_dir, dtype="float32")
     model = core.executor.runner.model  # type: ignore[attr-defined]
@@ -228,7 +228,7 @@ def test_greedy_tokens_fall_back_to_the_full_layer(tiny_llama_dir):  # noqa: F81
 
 
 @pytest.fixture(scope="module")
-def four_layer_dir(tmp_path_factory, tiny_tokenizer_dir):  # noqa: F811
+def four_layer_dir(tmp_path_factory, tiny_tokenizer_dir):
     """Four layers (the whole decode step runs in one C call), untied output layer."""
     return make_tiny_model_dir(tmp_path_factory, "qwen2", tokenizer_dir=tiny_tokenizer_dir,
                                num_layers=4, tie=False, seed=7)
@@ -282,7 +282,7 @@ def test_engine_tokens_do_not_change(request, monkeypatch, dtype, model):
     assert (used_many > 0) == _model_screens(dtype)
 
 
-def test_screen_tokens_equal_full_logits_on_greedy_runs(tiny_llama_dir, monkeypatch):  # noqa: F811
+def test_screen_tokens_equal_full_logits_on_greedy_runs(tiny_llama_dir, monkeypatch):
     """The test helpers' plain greedy run: identical token streams, screen on and off."""
     outs = []
     for screen in (True, False):
@@ -293,7 +293,7 @@ def test_screen_tokens_equal_full_logits_on_greedy_runs(tiny_llama_dir, monkeypa
     assert outs[0] == outs[1]
 
 
-def test_structured_greedy_tokens_do_not_change(tiny_llama_dir, monkeypatch):  # noqa: F811
+def test_structured_greedy_tokens_do_not_change(tiny_llama_dir, monkeypatch):
     """Greedy requests under a regex, a JSON schema and a choice beside plain greedy ones: the
     same text with the screen on and off, and the screen took the grammar steps."""
     from llmtower import LLM
@@ -329,7 +329,7 @@ def test_structured_greedy_tokens_do_not_change(tiny_llama_dir, monkeypatch):  #
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_min_tokens_masks_and_top_p_keep_the_screen_exact(tiny_llama_dir, monkeypatch,  # noqa: F811
+def test_min_tokens_masks_and_top_p_keep_the_screen_exact(tiny_llama_dir, monkeypatch,
                                                           dtype):
     """Greedy rows with top-p / top-k (which never drop the top token) and with min_tokens
     holding back stop tokens that greedy would emit: the screen takes them, with the stop

@@ -109,7 +109,7 @@ def test_huge_page_bytes_reads_this_process():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_results_do_not_depend_on_the_pages(tiny_llama_dir, monkeypatch, dtype):  # noqa: F811
+def test_engine_results_do_not_depend_on_the_pages(tiny_llama_dir, monkeypatch, dtype):
     """Every weight and the KV cache on arena memory (threshold 0) against plain tensors:
     the same greedy tokens and logits, bit for bit."""
     real = llama.LlamaForCausalLM._logits

@@ -50,7 +50,7 @@ def _blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory, tiny_tokenizer_dir) -> Path:  # noqa: F811
+def mixed_gguf(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """Three layers (hidden 256, 4 heads of 64, 2 KV heads, intermediate 512) of random blocks
     in the mixes of ``_MIX``; Q6_K output layer, Q8_0 embeddings."""
     d = make_tiny_model_dir(tmp_path_factory, "llama", tokenizer_dir=tiny_tokenizer_dir,

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:  # noqa: F811
+def tiny_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
     """Three adapters of tiny_llama_dir: every projection (r 8), attention only with rsLoRA
     (r 4), the MLP only (r 16)."""
     root = tmp_path_factory.mktemp("lora")

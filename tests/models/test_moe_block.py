@@ -8,7 +8,7 @@ import torch
 from llmtower.models.layers.mlp import GatedMLP
 from llmtower.models.layers.moe import Routing, SparseMoE
 
-H, I, E, K = 32, 24, 8, 2
+H, INTER, E, K = 32, 24, 8, 2  # hidden, intermediate, experts, experts per token
 
 
 class Counting:
@@ -26,8 +26,8 @@ class Counting:
 @pytest.fixture(scope="module")
 def parts():
     g = torch.Generator().manual_seed(0)
-    mats = [[torch.randn(I, H, generator=g) * 0.3, torch.randn(I, H, generator=g) * 0.3,
-             torch.randn(H, I, generator=g) * 0.3] for _ in range(E)]
+    mats = [[torch.randn(INTER, H, generator=g) * 0.3, torch.randn(INTER, H, generator=g) * 0.3,
+             torch.randn(H, INTER, generator=g) * 0.3] for _ in range(E)]
     return torch.randn(E, H, generator=g), mats
 
 

@@ -7,6 +7,6 @@ from tests.fixtures.tiny_models import tiny_llama_dir, tiny_tokenizer_dir  # noq
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tiny_tokenizer_dir):  # noqa: F811
+def tokenizer(tiny_tokenizer_dir):
     from llmtower.models.tokenizer import load_tokenizer
     return load_tokenizer(tiny_tokenizer_dir)
