@@ -11,7 +11,9 @@ another build runs twice):
   not built.
 - v3 (AVX2 + FMA): every kernel on vec.h's 8-lane layer: the gemm_f32 panels, the fused float32
   decode layer and whole step, the fused ops' vector SiLU, the float32 MoE experts, the grouped
-  decode attention, float32 prefill attention, and the int8 greedy screen on vpmaddwd.
+  decode attention, float32 prefill attention, the int8 greedy screen on vpmaddwd, and the
+  GGUF block products on 256-bit vectors without VNNI (with their portable activation
+  quantizers).
 - v4 (AVX-512 without BF16/VNNI): only what differs from this CPU's native build, which the
   ordinary suite runs: the greedy screen on vpmaddwd instead of vpdpwssd and the decode
   attention's bfloat16 caches widened without AVX512-BF16's conversions.
@@ -77,6 +79,15 @@ DECODE_LAYER = [
 ] + [f"test_decode_layer.py::test_whole_step_samples_any_rows_bit_for_bit[{p}-dtype1]"  # float32
       for p in ("5-rows0-1-False", "4-rows1-2-False", "12-rows2-2-False", "1-rows3-1-False",
                 "3-rows4-2-True", "6-rows5-1-True")]
+# The GGUF block products' 256-bit code (vpmaddubsw + vpmaddwd without VNNI; Q8_0 by |w| and
+# flipped signs) and the portable activation quantizers the AVX-512 build replaces.
+QUANT = [f"test_quant_gemm.py::test_product_matches_float_product_of_dequantized[{f}-{m}-0]"
+         for f in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") for m in (1, 6, 16)] + [
+    f"test_quant_gemm.py::test_{t}" for t in (
+        "many_row_products_agree_with_portable_code_across_tile_edges", "fast_and_portable_agree",
+        "q8_0_extremes_sum_exactly", "k_activations_are_int8_per_256_with_sums_of_16",
+        "activations_are_int8_per_32_with_their_sums")] + [
+    "test_quant_layer.py::test_logits_equal_the_separate_block_kernels_bit_for_bit"]
 LEVEL_TESTS = {
     "v2": [*ATTENTION, *FUSED, "test_gemm_f32.py::test_rows_times_matrix_match_float64"],
     "v3": [*ATTENTION, *FUSED, *GEMM_F32, *GREEDY,
@@ -84,7 +95,8 @@ LEVEL_TESTS = {
            "test_prefill_attention_f32.py::test_threads_do_not_change_results",
            *DECODE_LAYER,
            *(f"test_moe_experts.py::test_kernel_equals_per_expert_path[{p}-dtype0]"  # float32
-             for p in ("136-88-4", "201-45-3"))],
+             for p in ("136-88-4", "201-45-3")),
+           *QUANT],
     "v4": [*GREEDY_FAST, *ATTENTION_BF16],
 }
 # Every test listed runs at its level: none may skip (a kernel a level loses fails its run).

@@ -96,6 +96,26 @@ def test_many_row_products_agree_with_portable_code_across_tile_edges(qtype, m):
     assert ((fast - x.double() @ wf.T).abs() <= bound).all()
 
 
+def test_q8_0_extremes_sum_exactly():
+    """Q8_0's worst case for a dot of byte pairs summed in int16 (vpmaddubsw, the AVX2 code's
+    step without VNNI): weights of -128 and 127 against activations of +-127, whose pair sums
+    as w + 128 would saturate. Integer-valued scales and activations make every sum exact, so
+    the fast and portable code give the float64 product to the last bit."""
+    if 0 not in PATHS:
+        pytest.skip("the fast code is not built here")
+    n, k = 16, 256
+    rng = np.random.default_rng(5)
+    blocks = np.zeros((n * k // 32, 34), np.uint8)
+    blocks[:, 0:2] = np.full(n * k // 32, 1.0, np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.choice(np.array([-128, 127, -127, 0], np.int8), (n * k // 32, 32)).view(np.uint8)
+    data = blocks.reshape(n, -1)
+    x = torch.from_numpy(rng.choice([-127.0, 127.0], (3, k)).astype(np.float32))
+    want = x.double() @ torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0).astype(np.float64)).T
+    for path in PATHS:
+        got = from_numpy(int(Q.Q8_0), data, n, k, path=path)(x).double()
+        assert torch.equal(got, want), path
+
+
 def test_k_activations_are_int8_per_256_with_sums_of_16():
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)) * 3
     x[1, :256] = 0.0  # an all-zero block: scale 0, values 0

@@ -72,6 +72,22 @@ def test_without_amx_each_format_keeps_the_int8_kernel_up_to_its_own_row_limit(m
     assert torch.equal(layer(x[:90]), torch.cat([p(x[:90]) for p in parts], 1))
 
 
+def test_without_a_fast_bfloat16_gemm_every_chunk_keeps_the_int8_kernel(monkeypatch):
+    """On an AVX2-only CPU (no bfloat16 GEMM in oneDNN; PyTorch's takes 4-6x float32's time)
+    no row count goes to bfloat16 slabs, even where AMX's limit would: a 600-row chunk's
+    Q4_1 and Q6_K parts are the int8 kernel's own results."""
+    if not ops.capabilities().can_run("quant_gemm"):
+        pytest.skip(ops.capabilities().why_not("quant_gemm"))
+    monkeypatch.setattr(quant_block.linear_ops, "BF16_FAST", False)
+    monkeypatch.setattr(quant_block, "_has_amx", lambda: True)
+    k = 256
+    parts = [from_numpy(int(Q.Q6_K), random_blocks(Q.Q6_K, 48, k, seed=1), 48, k),
+             from_numpy(int(Q.Q4_1), random_blocks(Q.Q4_1, 32, k, seed=2), 32, k)]
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(0))
+    got = BlockQuantLinear(parts)(x)
+    assert torch.equal(got, torch.cat([p(x) for p in parts], 1))
+
+
 def test_a_slab_is_a_view_of_the_rows():
     data = random_blocks(Q.Q8_0, 10, 64, seed=3)
     w = from_numpy(int(Q.Q8_0), data, 10, 64)

@@ -23,7 +23,7 @@ The kernels, by name:
     moe_experts_f32    the same, float32 (moe_experts.c; as gemm_f32)
     greedy_head        the greedy output layer's int8 screen (greedy_head.c; vec.h's integer layer)
     quant_gemm         products by GGUF block-quantized weights (quant_gemm.c, quant_gemm_k.c,
-                       and quant_layer.c's fused decode layer over them; AVX512_VNNI)
+                       and quant_layer.c's fused decode layer over them; AVX2+FMA+F16C, AVX512_VNNI)
     cpu_bind           pinning the OpenMP threads (cpu_bind.c)
 """
 from __future__ import annotations
@@ -92,8 +92,8 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     "greedy_head": ("greedy_head_fast", (), _NO_VEC),
     # The portable code runs anywhere but slower than a float GEMM: GGUF block weights are
     # dequantized to the model's dtype where the fast code is missing.
-    "quant_gemm": ("quant_gemm_fast", (), "this CPU (or compiler) lacks AVX512_VNNI: GGUF "
-                   "block weights are dequantized to the model's dtype"),
+    "quant_gemm": ("quant_gemm_fast", (), "the kernels are built without AVX2, FMA and F16C "
+                   "(x86-64-v3): GGUF block weights are dequantized to the model's dtype"),
 }
 
 

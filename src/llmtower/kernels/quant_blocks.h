@@ -1,6 +1,14 @@
 /* GGUF's block formats as the block kernels read them (quant_gemm.c, quant_gemm_k.c): the ggml
  * type ids, the float16 scales, the K formats' packed 6-bit scales and a portable decoder of one
- * 32-value sub-block (w = s * (u - o) - m). QG_FAST: whether the AVX512_VNNI code is built. */
+ * 32-value sub-block (w = s * (u - o) - m).
+ *
+ * QG_FAST: whether the block products' vector code is built: 256-bit integer dot products,
+ * from AVX2 + FMA + F16C (x86-64-v3) on. QG_512: whether the AVX512_VNNI code beside it is
+ * (the 16-weight-row groups, the bfloat16 rows, the 512-bit K-format bodies, the activations'
+ * quantization in 16 lanes). QG_DPBUSD: whether vpdpbusd exists (AVX512_VNNI, or AVX-VNNI's
+ * 256-bit form); without it a dot of four bytes is vpmaddubsw then vpmaddwd by ones, whose
+ * int16 pair sums would saturate for unsigned bytes above 127 (Q8_0 then takes |w| and
+ * the activations' signs flipped by w's instead of w + 128). */
 #ifndef LLMTOWER_QUANT_BLOCKS_H
 #define LLMTOWER_QUANT_BLOCKS_H
 
@@ -9,10 +17,36 @@
 #include <string.h>
 #include "bf16.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#define QG_512 1
+#else
+#define QG_512 0
+#endif
+#if QG_512 || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #define QG_FAST 1
 #else
 #define QG_FAST 0
+#endif
+#if QG_512 || (QG_FAST && defined(__AVXVNNI__))
+#define QG_DPBUSD 1
+#else
+#define QG_DPBUSD 0
+#endif
+
+#if QG_FAST
+/* acc + per int32 lane the four products of u's unsigned bytes by s's signed ones. Without
+ * vpdpbusd, u's bytes must be at most 127 (the int16 pair sums of vpmaddubsw saturate above:
+ * 2 * 255 * 127 > 32767); the sums are the same integers either way. */
+static inline __m256i qg_dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if QG_512
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif QG_DPBUSD
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
 #endif
 
 int64_t quant_block_values(int fmt);
@@ -30,7 +64,7 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
 void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                         int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
                         int64_t ldy, int path);
-#if QG_FAST
+#if QG_512
 /* quant_gemm_k.c: one row of K-format super-blocks as bfloat16 (gguf's values, rounded). */
 void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o);
 /* quant_gemm_16.c: groups [g0, g1) of 16 weight rows of a Q4_0 / Q8_0 matrix times m rows of x. */
@@ -43,7 +77,7 @@ void kc_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t
                int64_t ldy);
 #endif
 
-#if QG_FAST
+#if QG_512
 /* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes: sixteen weight rows
  * transposed so that int32 lane i holds row i (quant_gemm.c cols16, quant_gemm_k16.c). */
 static inline __attribute__((always_inline)) void

@@ -23,8 +23,10 @@
  * the same operations in the same order, without fused multiply-adds (the function is built
  * with -ffp-contract=off).
  *
- * The fast path needs AVX512_VNNI with AVX512VL (256-bit vpdpbusd) and F16C; elsewhere the
- * portable code computes the same sums in scalar C (its own summation order).
+ * The fast path needs AVX2, FMA and F16C (its vectors are 256-bit; vpdpbusd where AVX512_VNNI
+ * or AVX-VNNI has it, else vpmaddubsw + vpmaddwd: quant_blocks.h qg_dpbusd); the groups of 16
+ * weight rows (quant_gemm_16.c) need AVX512_VNNI. Elsewhere the portable code computes the
+ * same sums in scalar C (its own summation order).
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,7 +131,7 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nrows, i
     return 0;
 }
 
-#if QG_FAST
+#if QG_512
 /* One row of Q4_0 / Q4_1 / Q8_0 blocks as bfloat16: dequant_row's float32 values (the same
  * operations, vectorized) rounded to nearest even. */
 __attribute__((optimize("fp-contract=off")))
@@ -184,7 +186,7 @@ int quant_dequant_bf16(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nro
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nrows; i++) {
             uint16_t *o = out + i * k;
-#if QG_FAST
+#if QG_512
             if (bv == 256) {
                 kq_dequant_row_bf16(fmt, w + (rows ? rows[i] : i) * row_bytes, nb, o);
                 continue;
@@ -225,7 +227,7 @@ void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, fl
             int8_t *q = qa + r * k + 32 * b;
             int s0 = 0, s1 = 0;
             float amax = 0.0f, d, id;
-#if QG_FAST
+#if QG_512
             const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
             amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
             d = amax / 127.0f;
@@ -281,7 +283,7 @@ static void rows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, i
     for (int r = 0; r < mr; r++) out[r] = acc[r];
 }
 
-/* ------------------------------------------------------------------ products, VNNI */
+/* ------------------------------------------------------------------ products, 256-bit vectors */
 #if QG_FAST
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -291,14 +293,17 @@ static inline float hsum8(__m256 v) {
 }
 
 /* One sub-block's products for MR rows: lanes start at -o * (sum of each half) (ns << shift),
- * take u . qa, and are added scaled (sv: the weight's scales per lane) into acc[r]. */
-#define SUB_DOT(MR, U, SV, SHIFT, AB)                                                          \
+ * take u . qa (FLIP: qa's bytes under the signs of SIGNS' bytes first), and are added
+ * scaled (sv: the weight's scales per lane) into acc[r]. */
+#define SUB_DOT(MR, U, SV, SHIFT, AB, FLIP, SIGNS)                                             \
     for (int r = 0; r < MR; r++) {                                                             \
         __m256 *acc = accs + jr * MR;                                                          \
         const int64_t i_ = r * nbk + (AB);                                                     \
         __m256i init = (SHIFT) ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(ns + 8 * i_)), (SHIFT)) \
                                : _mm256_setzero_si256();                                       \
-        const __m256i l_ = _mm256_dpbusd_epi32(init, (U), _mm256_loadu_si256((const __m256i *)(qa + 32 * i_))); \
+        __m256i q_ = _mm256_loadu_si256((const __m256i *)(qa + 32 * i_));                     \
+        if (FLIP) q_ = _mm256_sign_epi8(q_, (SIGNS));                                          \
+        const __m256i l_ = qg_dpbusd(init, (U), q_);                                           \
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l_), _mm256_mul_ps((SV), _mm256_set1_ps(da[i_])), acc[r]); \
     }
 
@@ -322,10 +327,17 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
             if (fmt == F_Q4_0) {
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
                 u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-                SUB_DOT(MR, u, sv, 3, b)
+                SUB_DOT(MR, u, sv, 3, b, 0, u)
             } else {
-                u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-                SUB_DOT(MR, u, sv, 7, b)
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+#if QG_DPBUSD
+                u = _mm256_xor_si256(wv, _mm256_set1_epi8((char)0x80)); /* w + 128 */
+                SUB_DOT(MR, u, sv, 7, b, 0, u)
+#else
+                /* |w| (128 for -128, as an unsigned byte) times qa under w's signs: no offset */
+                u = _mm256_sign_epi8(wv, wv);
+                SUB_DOT(MR, u, sv, 0, b, 1, wv)
+#endif
             }
         }
         break;
@@ -337,7 +349,7 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
             const float mn = half_to_float(blk + 2);
             const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
             const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-            SUB_DOT(MR, u, sv, 0, b)
+            SUB_DOT(MR, u, sv, 0, b, 0, u)
             for (int r = 0; r < MR; r++) macc[r] += mn * fa[r * nbk + b];
         }
         break;
@@ -372,11 +384,11 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
     const int64_t nb = k / 32, nbk = k / 32;
     const int fast = QG_FAST && path == 0;
     /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (quant_gemm_16.c), the rest one by one */
-    const int64_t n16 = fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
+    const int64_t n16 = QG_512 && fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
     (void)ns;
     {
         const int64_t t = kernel_thread(), team = kernel_team();
-#if QG_FAST
+#if QG_512
         if (n16) c16_groups(fmt, w, row_bytes, n16 / 16 * t / team, n16 / 16 * (t + 1) / team, k, m,
                             qa, da, ns, y, ldy);
 #endif

@@ -15,7 +15,7 @@
 #include <string.h>
 #include "quant_blocks.h"
 
-#if QG_FAST
+#if QG_512
 #define C16_MR 8     /* rows of x per pass (their accumulators in registers) */
 #define C16_CHUNK 32 /* blocks transposed at once for many rows: 32 x 576 bytes, within L1 */
 

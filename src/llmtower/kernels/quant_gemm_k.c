@@ -16,9 +16,10 @@
  * and the scales enter through vpdpwssd (int16 pairs times int16 scales into int32 lanes).
  *
  * The ISA-specific pieces are the unpacking of one super-block into four 64-byte vectors of u
- * with their per-lane int16 scales (kq_unpack_*) and the per-row dot (kq_dot): an AVX2 build
- * would give them 2 x 256-bit bodies. Elsewhere the portable code computes the same integer
- * sums in scalar C (through decode_sub, quant_blocks.h).
+ * with their per-lane int16 scales (kq_unpack_*) and the per-row dot (kq_dot): AVX-512 VNNI
+ * bodies, and AVX2 ones on eight 32-byte vectors (vpmaddubsw, then vpmaddwd by the scales and
+ * an add where vpdpwssd would take both). Elsewhere the portable code computes the same
+ * integer sums in scalar C (through decode_sub, quant_blocks.h).
  *
  * The error against the float product of the dequantized weights is that of rounding each
  * activation to its 256-block's int8 grid (at most max|x| / 254 per value); tests bound it.
@@ -60,7 +61,7 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
             int8_t *q = qa + r * k + 256 * b;
             int16_t *s = bs + r * (k / 16) + 16 * b;
             float amax = 0.0f;
-#if QG_FAST
+#if QG_512
             __m512 vmax = _mm512_setzero_ps();
             for (int j = 0; j < 256; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
             amax = _mm512_reduce_max_ps(vmax);
@@ -69,7 +70,7 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
 #endif
             da[r * nb + b] = amax / 127.0f;
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-#if QG_FAST
+#if QG_512
             const __m512 vid = _mm512_set1_ps(id);
             for (int g = 0; g < 16; g++) {
                 const int to = nibble_order ? 2 * kq_pos(g / 2) + (g & 1) : g;
@@ -119,8 +120,32 @@ static void krows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, 
     for (int r = 0; r < mr; r++) out[r] = acc[r];
 }
 
-/* ------------------------------------------------------------------ products, AVX-512 VNNI */
 #if QG_FAST
+/* Q4_K / Q5_K's eight 6-bit scales and minimums from the 12 packed bytes: the bytes of
+ * (sc0..3, sc4..7) and (mn0..3, mn4..7) as two pairs of 32-bit words (k_scale_min for all
+ * eight at once). */
+static inline void k_scales_mins(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    sc[0] = a & 0x3f3f3f3fu;
+    mn[0] = b & 0x3f3f3f3fu;
+    sc[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    mn[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+}
+
+/* Q4_K / Q5_K's minimums, each for both of its 16s, sub-blocks in the nibble order: the
+ * factors of the activations' 16-sums (kq_block's mn). */
+static inline __m256i k_mins16(const uint32_t mn[2]) {
+    const __m128i mn8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
+    const __m128i twice = _mm_setr_epi8(0, 0, 2, 2, 1, 1, 3, 3, 4, 4, 6, 6, 5, 5, 7, 7);
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn8, twice));
+}
+#endif
+
+/* ------------------------------------------------------------------ products, AVX-512 VNNI */
+#if QG_512
 /* One super-block unpacked: u[g] the 64 unsigned values g*64 .. g*64+63 of the activations'
  * order (Q6_K: the values' own; Q4_K / Q5_K: the nibble order, kq_pos), sc[g] the int16 scale
  * of each pair of them (vpmaddubsw's lanes), mn the 16 int16 factors of the activations'
@@ -146,20 +171,6 @@ static const int16_t KQ_LANE_SCALE[2][4][32] = {
 /* The two sub-blocks of Q4_K / Q5_K's vector g (nibble order). */
 static const int KQ_SUB[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
 
-/* Q4_K / Q5_K's eight 6-bit scales and minimums from the 12 packed bytes: the bytes of
- * (sc0..3, sc4..7) and (mn0..3, mn4..7) as two pairs of 32-bit words (k_scale_min for all
- * eight at once). */
-static inline void k_scales_mins(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
-    uint32_t a, b, c;
-    memcpy(&a, q, 4);
-    memcpy(&b, q + 4, 4);
-    memcpy(&c, q + 8, 4);
-    sc[0] = a & 0x3f3f3f3fu;
-    mn[0] = b & 0x3f3f3f3fu;
-    sc[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
-    mn[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
-}
-
 static inline __attribute__((always_inline)) void
 kq_unpack_q45k(const uint8_t *blk, const int FIVE, const __m512i idx[4], kq_block *o) {
     uint32_t sc[2], mn[2];
@@ -168,10 +179,7 @@ kq_unpack_q45k(const uint8_t *blk, const int FIVE, const __m512i idx[4], kq_bloc
     o->c = half_to_float(blk + 2);
     const __m128i sc8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]);
     const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
-    const __m128i mn8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
-    /* each minimum for both of its 16s, sub-blocks in the nibble order */
-    const __m128i twice = _mm_setr_epi8(0, 0, 2, 2, 1, 1, 3, 3, 4, 4, 6, 6, 5, 5, 7, 7);
-    o->mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mn8, twice));
+    o->mn = k_mins16(mn);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m256i qh = FIVE ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
     const uint8_t *qs = blk + (FIVE ? 48 : 16);
@@ -306,7 +314,105 @@ void kq_dequant_row_bf16(int fmt, const uint8_t *row, int64_t nb, uint16_t *o) {
             }
     }
 }
+#elif QG_FAST
+/* ------------------------------------------------------------------ products, AVX2 */
+/* One super-block unpacked for 256-bit vectors: u[j] the 32 unsigned values j*32 .. j*32+31 of
+ * the activations' order (the 512-bit body's u[j / 2], half j % 2), sc[j] the int16 scale of
+ * each pair of them; mn, d and c as there. Its sums are the same integers, in 8 lanes. */
+typedef struct {
+    __m256i u[8], sc[8];
+    __m256i mn;
+    float d, c;
+} kq_block;
 
+static inline __attribute__((always_inline)) void
+kq_unpack_q45k(const uint8_t *blk, const int FIVE, kq_block *o) {
+    uint32_t sc[2], mn[2];
+    k_scales_mins(blk + 4, sc, mn);
+    o->d = half_to_float(blk);
+    o->c = half_to_float(blk + 2);
+    o->mn = k_mins16(mn);
+    const uint8_t *s8 = (const uint8_t *)sc;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i qh = FIVE ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    const uint8_t *qs = blk + (FIVE ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        /* unit j is sub-block kq_pos(j): bytes 32 * (j % 2) of the 64 at 64 * (j / 4), their
+         * low nibbles for j % 4 < 2, else their high ones; Q5_K: bit kq_pos(j) of qh's bytes */
+        const int sb = kq_pos(j);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 64 * (j / 4) + 32 * (j & 1)));
+        __m256i u = _mm256_and_si256((j & 2) ? _mm256_srli_epi16(q, 4) : q, m4);
+        if (FIVE)
+            u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sb), one), 4));
+        o->u[j] = u;
+        o->sc[j] = _mm256_set1_epi16(s8[sb]);
+    }
+}
+
+static inline __attribute__((always_inline)) void kq_unpack_q6k(const uint8_t *blk, kq_block *o) {
+    const float d = half_to_float(blk + 208);
+    o->d = d;
+    o->c = 32.0f * d;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    o->mn = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    for (int j = 0; j < 8; j++) {
+        /* unit j = 4c + t (decode_sub's sub-block j): ql's bytes 32 * (t % 2) of the 64 at
+         * 64 c, low nibbles for t < 2; bits 2t, 2t + 1 of qh's 32 bytes at 128 + 32 c */
+        const int c = j / 4, t = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+        const __m256i lo = _mm256_and_si256((t & 2) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m3);
+        o->u[j] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        /* one scale per 16 values: int16 lanes 0-7 (values 0..15), 8-15 (16..31) */
+        o->sc[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+    }
+}
+
+/* One row's integer sums for one unpacked super-block: sum sc * (u . qa) in 8 int32 lanes. */
+static inline __attribute__((always_inline)) __m256i kq_dot(const kq_block *w, const int8_t *q) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w->u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j))),
+            w->sc[j]));
+    return acc;
+}
+
+static inline float kq_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row times MR rows of x: out[r]. One accumulator per row (16 registers: the
+ * unpacked block is read from the stack as memory operands). */
+static inline __attribute__((always_inline)) void
+krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
+           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+    const int64_t nbk = k / 256, nbs = k / 16;
+    __m256 acc[QK_MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t bb = FMT == F_Q4_K ? 144 : FMT == F_Q5_K ? 176 : 210;
+    for (int64_t b = 0; b < nb; b++) {
+        kq_block w;
+        if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &w);
+        else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, &w);
+        for (int r = 0; r < MR; r++) {
+            const float a = da[r * nbk + b];
+            const __m256i dot = kq_dot(&w, qa + r * k + 256 * b);
+            const __m256i off = _mm256_madd_epi16(w.mn, _mm256_loadu_si256((const __m256i *)(bs + r * nbs + 16 * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w.d * a), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(-w.c * a), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) out[r] = kq_hsum8(acc[r]);
+}
+#endif
+
+#if QG_FAST
 /* constant format and row count (1, 2, 4 or 8): the accumulators stay in registers */
 #define KQ_ROWS(FMT)                                                                             \
     switch (mr) {                                                                                \
@@ -348,10 +454,10 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
     const int fast = QG_FAST && path != 1;
     /* from KC_MIN_ROWS rows of x on the fast path: groups of 16 weight rows (quant_gemm_k16.c),
      * the rest one by one; path 2: one by one only (benchmarks and tests compare) */
-    const int64_t n16 = fast && path != 2 && m >= KC_MIN_ROWS ? n / 16 * 16 : 0;
+    const int64_t n16 = QG_512 && fast && path != 2 && m >= KC_MIN_ROWS ? n / 16 * 16 : 0;
     {
         const int64_t t = kernel_thread(), team = kernel_team();
-#if QG_FAST
+#if QG_512
         if (n16) kc_groups(fmt, w, row_bytes, n16 / 16 * t / team, n16 / 16 * (t + 1) / team, k, m,
                            qa, da, bs, y, ldy);
 #endif

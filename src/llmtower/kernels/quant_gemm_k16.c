@@ -24,7 +24,7 @@
 #include <string.h>
 #include "quant_blocks.h"
 
-#if QG_FAST
+#if QG_512
 #define KC_MR 8    /* most rows of x per pass over an unpacked chunk (accumulators in registers) */
 #define KC_CHUNK 4 /* super-blocks unpacked at once: 4 x 5.8 KB, within L1 */
 

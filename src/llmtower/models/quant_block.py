@@ -27,6 +27,7 @@ from llmtower.kernels import ops
 from llmtower.kernels.huge_pages import empty_streamed
 from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, quantize_activations
 from llmtower.models.gguf_dequant import dequantize
+from llmtower.models import linear as linear_ops
 from llmtower.models.linear import linear
 from llmtower.utils import cpu_info
 
@@ -213,7 +214,12 @@ def _has_amx() -> bool:
 
 def int8_max_rows(fmt: int) -> int:
     """Most rows of x a product by a matrix of ggml type ``fmt`` takes on the int8 kernel
-    (more: bfloat16 slabs and oneDNN)."""
+    (more: bfloat16 slabs and oneDNN). Without a fast bfloat16 GEMM (AVX2-only CPUs, where
+    PyTorch's own takes 4-6x float32's time) every row count stays on the int8 kernel: its
+    AVX2 code runs at about the float32 FMA rate on a prefill chunk (75-115 GOP/s a core,
+    docs/performance.md), with no copy of the weight."""
+    if not linear_ops.BF16_FAST:
+        return 1 << 62
     if _has_amx():
         return BLOCK_KERNEL_MAX_ROWS
     return max(BLOCK_KERNEL_MAX_ROWS, INT8_MAX_ROWS_NO_AMX.get(fmt, BLOCK_KERNEL_MAX_ROWS))
