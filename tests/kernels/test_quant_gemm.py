@@ -96,6 +96,21 @@ def test_many_row_products_agree_with_portable_code_across_tile_edges(qtype, m):
     assert ((fast - x.double() @ wf.T).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("k", [256, 416, 1312])  # 8 blocks, 8 + 5, 5 x 8 + 1
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+def test_one_row_products_over_eight_block_runs_and_their_tails(qtype, k):
+    """A decode's product by Q4_0 / Q8_0 (AVX2: eight blocks at a time, the blocks past them
+    one by one): the portable code's sums up to float rounding, with a row count (37) that
+    is not a multiple of the four-row code's."""
+    if 0 not in PATHS:
+        pytest.skip("the fast code is not built here")
+    data = random_blocks(qtype, 37, k, seed=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    fast = from_numpy(int(qtype), data, 37, k, path=0)(x).double()
+    portable = from_numpy(int(qtype), data, 37, k, path=1)(x).double()
+    assert (fast - portable).abs().max() < 1e-5 * portable.abs().mean()
+
+
 def test_q8_0_extremes_sum_exactly():
     """Q8_0's worst case for a dot of byte pairs summed in int16 (vpmaddubsw, the AVX2 code's
     step without VNNI): weights of -128 and 127 against activations of +-127, whose pair sums
