@@ -367,12 +367,15 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
  *
  * where rows_fast pays a scale broadcast, a conversion and a multiply-add (and the offset's
  * shift) per block and row: ~17 instructions a block there, ~10 here (one row of x). The eight
- * blocks' weights are decoded once for the MR rows. Q8_0 takes |w| and qa under w's signs
- * (vpmaddubsw's pair sums stay below 2^15). Blocks past the last eight: rows_fast. */
+ * blocks' weights are decoded once for the MR rows, or (Q4_0, ub not NULL) taken decoded from
+ * ub (the nibbles of block b as 32 bytes at ub[b]) and sb (the scales of blocks 8c .. 8c + 7
+ * at sb[c]): a prefill chunk's rows of x run four at a time over one weight row decoded once.
+ * Q8_0 takes |w| and qa under w's signs (vpmaddubsw's pair sums stay below 2^15). Blocks past
+ * the last eight: rows_fast. */
 static inline __attribute__((always_inline)) void
 rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
                 const int8_t *qa, const float *da, const float *fa, const int32_t *ns,
-                float *out) {
+                const __m256i *ub, const __m256 *sb, float *out) {
     const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : 34;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256 off = _mm256_set1_ps(FMT == F_Q4_0 ? 8.0f : 0.0f);
@@ -381,6 +384,11 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
     int64_t b0 = 0;
     for (; b0 + 8 <= nb; b0 += 8) {
         __m256i u[8];
+        __m256 sv;
+        if (FMT == F_Q4_0 && ub) {
+            for (int i = 0; i < 8; i++) u[i] = _mm256_load_si256(ub + b0 + i);
+            sv = sb[b0 / 8];
+        } else {
         __m128i sw = _mm_setzero_si128(); /* the eight float16 scales (not through memory: a
                                               vector load after eight 2-byte stores stalls) */
         for (int i = 0; i < 8; i++) {
@@ -396,7 +404,8 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
                 u[i] = _mm256_sign_epi8(w, w);
             }
         }
-        const __m256 sv = _mm256_cvtph_ps(sw);
+        sv = _mm256_cvtph_ps(sw);
+        }
         for (int r = 0; r < MR; r++) {
             const int64_t i0 = r * nbk + b0;
             __m256i d[8];
@@ -426,15 +435,35 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
 /* rows8_q4_0_q8_0 with constant format and row count (1, 2 or 4). */
 static void rows8_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
                       const int8_t *qa, const float *da, const float *fa, const int32_t *ns,
-                      float *out) {
+                      const __m256i *ub, const __m256 *sb, float *out) {
 #define ROWS8(FMT)                                                                               \
     switch (mr) {                                                                                \
-    case 1: rows8_q4_0_q8_0(FMT, wrow, nb, k, 1, qa, da, fa, ns, out); break;                    \
-    case 2: rows8_q4_0_q8_0(FMT, wrow, nb, k, 2, qa, da, fa, ns, out); break;                    \
-    default: rows8_q4_0_q8_0(FMT, wrow, nb, k, 4, qa, da, fa, ns, out); break;                   \
+    case 1: rows8_q4_0_q8_0(FMT, wrow, nb, k, 1, qa, da, fa, ns, ub, sb, out); break;            \
+    case 2: rows8_q4_0_q8_0(FMT, wrow, nb, k, 2, qa, da, fa, ns, ub, sb, out); break;            \
+    default: rows8_q4_0_q8_0(FMT, wrow, nb, k, 4, qa, da, fa, ns, ub, sb, out); break;           \
     }
     if (fmt == F_Q4_0) { ROWS8(F_Q4_0) } else { ROWS8(F_Q8_0) }
 #undef ROWS8
+}
+
+/* Most blocks of a Q4_0 weight row decoded once for many rows of x (16 KiB of nibbles: L1). */
+#define R8_MAX_BLOCKS 512
+
+/* The first nb / 8 * 8 blocks of a Q4_0 row decoded for rows8_q4_0_q8_0 (ub, sb). */
+static void q4_0_decode_row(const uint8_t *wrow, int64_t nb, __m256i *ub, __m256 *sb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b0 = 0; b0 + 8 <= nb; b0 += 8) {
+        __m128i sw = _mm_setzero_si128();
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *blk = wrow + (b0 + i) * 18;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            sw = _mm_insert_epi16(sw, h, i);
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+            ub[b0 + i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
+        }
+        sb[b0 / 8] = _mm256_cvtph_ps(sw);
+    }
 }
 #endif
 
@@ -482,14 +511,21 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
          * (more rows of it ran faster below: 7.0 against 8.4 ms at 16 rows, 51 against 62 at
          * 144, [8192 x 2048], one thread; the flipped activations cost one vpsignb a row) */
         if (fast && (fmt == F_Q4_0 || (fmt == F_Q8_0 && m == 1))) {
-            for (int64_t j = j0; j < j1; j++)
+            /* more than 4 rows of Q4_0: each weight row decoded once for all of them */
+            const int many = fmt == F_Q4_0 && m > 4 && nb <= R8_MAX_BLOCKS;
+            __m256i ub[many ? R8_MAX_BLOCKS : 1] __attribute__((aligned(32)));
+            __m256 sb[many ? R8_MAX_BLOCKS / 8 : 1];
+            for (int64_t j = j0; j < j1; j++) {
+                if (many) q4_0_decode_row(w + j * row_bytes, nb, ub, sb);
                 for (int64_t r0 = 0; r0 < m;) {
                     const int mr = m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
                     rows8_any(fmt, w + j * row_bytes, nb, k, mr, qa + r0 * k, da + r0 * nbk,
-                              fa + r0 * nbk, ns + 8 * r0 * nbk, out);
+                              fa + r0 * nbk, ns + 8 * r0 * nbk, many ? ub : NULL,
+                              many ? sb : NULL, out);
                     for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + j] = out[r];
                     r0 += mr;
                 }
+            }
             j0 = j1;
         }
 #endif
