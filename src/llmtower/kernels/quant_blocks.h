@@ -77,6 +77,36 @@ void kc_groups(int fmt, const uint8_t *w, int64_t row_bytes, int64_t g0, int64_t
                int64_t ldy);
 #endif
 
+#if QG_FAST && !QG_512
+/* The activations' int8 quantizers on 8 lanes (quant_act, quant_act_k), the same values as
+ * the portable loops and the AVX-512 ones: max |x| (n a multiple of 8), and 8 values times id
+ * rounded to nearest even (the default rounding mode, as lrintf), stored as int8 (|v| <= 127
+ * after the scaling, so the saturating packs change nothing), returning their int32 lanes. */
+static inline float qg_absmax(const float *x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+static inline __m256i qg_round_store8(const float *x, __m256 id, int8_t *q) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), id));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(w, w));
+    return v;
+}
+
+static inline int qg_hsum_epi32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+#endif
+
 #if QG_512
 /* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes: sixteen weight rows
  * transposed so that int32 lane i holds row i (quant_gemm.c cols16, quant_gemm_k16.c). */

@@ -239,6 +239,14 @@ void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, fl
             _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(v1));
             s0 = _mm512_reduce_add_epi32(v0);
             s1 = _mm512_reduce_add_epi32(v1);
+#elif QG_FAST
+            amax = qg_absmax(xb, 32);
+            d = amax / 127.0f;
+            id = d > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            s0 = qg_hsum_epi32(_mm256_add_epi32(qg_round_store8(xb, vid, q), qg_round_store8(xb + 8, vid, q + 8)));
+            s1 = qg_hsum_epi32(_mm256_add_epi32(qg_round_store8(xb + 16, vid, q + 16),
+                                                qg_round_store8(xb + 24, vid, q + 24)));
 #else
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
             d = amax / 127.0f;

@@ -65,6 +65,8 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
             __m512 vmax = _mm512_setzero_ps();
             for (int j = 0; j < 256; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
             amax = _mm512_reduce_max_ps(vmax);
+#elif QG_FAST
+            amax = qg_absmax(xb, 256);
 #else
             for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
 #endif
@@ -77,6 +79,14 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
                 const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), vid));
                 _mm_storeu_si128((__m128i *)(q + 16 * to), _mm512_cvtsepi32_epi8(v));
                 s[to] = (int16_t)_mm512_reduce_add_epi32(v);
+            }
+#elif QG_FAST
+            const __m256 vid = _mm256_set1_ps(id);
+            for (int g = 0; g < 16; g++) {
+                const int to = nibble_order ? 2 * kq_pos(g / 2) + (g & 1) : g;
+                const __m256i a = qg_round_store8(xb + 16 * g, vid, q + 16 * to);
+                const __m256i b = qg_round_store8(xb + 16 * g + 8, vid, q + 16 * to + 8);
+                s[to] = (int16_t)qg_hsum_epi32(_mm256_add_epi32(a, b));
             }
 #else
             for (int g = 0; g < 16; g++) {
