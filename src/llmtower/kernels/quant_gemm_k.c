@@ -244,10 +244,11 @@ static inline __attribute__((always_inline)) __m512i kq_dot(const kq_block *w, c
     return acc;
 }
 
-/* One weight row times MR rows of x: out[r]. */
+/* One weight row times MR rows of x: out[r] (pre: unused here, the AVX2 body's). */
 static inline __attribute__((always_inline)) void
 krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
-           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+           const int8_t *qa, const float *da, const int16_t *bs, const kq_block *pre, float *out) {
+    (void)pre;
     const int64_t nbk = k / 256, nbs = k / 16;
     __m512i idx[4];
     for (int g = 0; g < 4; g++) idx[g] = _mm512_loadu_si512(KQ_LANE_SCALE[FMT == F_Q6_K][g]);
@@ -398,17 +399,19 @@ static inline float kq_hsum8(__m256 v) {
 }
 
 /* One weight row times MR rows of x: out[r]. One accumulator per row (16 registers: the
- * unpacked block is read from the stack as memory operands). */
+ * unpacked block is read from the stack as memory operands). pre (or NULL): the row's
+ * super-blocks unpacked already (kq_unpack_row), for the many rows of a prefill chunk. */
 static inline __attribute__((always_inline)) void
 krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
-           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+           const int8_t *qa, const float *da, const int16_t *bs, const kq_block *pre, float *out) {
     const int64_t nbk = k / 256, nbs = k / 16;
     __m256 acc[QK_MR];
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     const int64_t bb = FMT == F_Q4_K ? 144 : FMT == F_Q5_K ? 176 : 210;
     for (int64_t b = 0; b < nb; b++) {
         kq_block w;
-        if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &w);
+        if (pre) w = pre[b];
+        else if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &w);
         else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, &w);
         for (int r = 0; r < MR; r++) {
             const float a = da[r * nbk + b];
@@ -420,20 +423,34 @@ krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int 
     }
     for (int r = 0; r < MR; r++) out[r] = kq_hsum8(acc[r]);
 }
+
+/* Most super-blocks of a weight row unpacked once for many rows of x (35 KiB: L1). */
+#define KQ_MAX_BLOCKS 64
+
+/* A weight row's nb super-blocks unpacked (krows_fast's pre). */
+static void kq_unpack_row(int fmt, const uint8_t *wrow, int64_t nb, kq_block *o) {
+    const int64_t bb = quant_block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        if (fmt == F_Q6_K) kq_unpack_q6k(wrow + b * bb, o + b);
+        else if (fmt == F_Q5_K) kq_unpack_q45k(wrow + b * bb, 1, o + b);
+        else kq_unpack_q45k(wrow + b * bb, 0, o + b);
+    }
+}
 #endif
 
 #if QG_FAST
 /* constant format and row count (1, 2, 4 or 8): the accumulators stay in registers */
 #define KQ_ROWS(FMT)                                                                             \
     switch (mr) {                                                                                \
-    case 1: krows_fast(FMT, wrow, nb, k, 1, qa, da, bs, out); break;                             \
-    case 2: krows_fast(FMT, wrow, nb, k, 2, qa, da, bs, out); break;                             \
-    case 4: krows_fast(FMT, wrow, nb, k, 4, qa, da, bs, out); break;                             \
-    default: krows_fast(FMT, wrow, nb, k, 8, qa, da, bs, out); break;                            \
+    case 1: krows_fast(FMT, wrow, nb, k, 1, qa, da, bs, pre, out); break;                        \
+    case 2: krows_fast(FMT, wrow, nb, k, 2, qa, da, bs, pre, out); break;                        \
+    case 4: krows_fast(FMT, wrow, nb, k, 4, qa, da, bs, pre, out); break;                        \
+    default: krows_fast(FMT, wrow, nb, k, 8, qa, da, bs, pre, out); break;                       \
     }
 
 static void krows_fast_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
-                           const int8_t *qa, const float *da, const int16_t *bs, float *out) {
+                           const int8_t *qa, const float *da, const int16_t *bs,
+                           const kq_block *pre, float *out) {
     switch (fmt) {
     case F_Q4_K: KQ_ROWS(F_Q4_K) break;
     case F_Q5_K: KQ_ROWS(F_Q5_K) break;
@@ -474,8 +491,19 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
         const int64_t j0 = n16 + (n - n16) * t / team, j1 = n16 + (n - n16) * (t + 1) / team;
         float out[QK_MR];
         int mr = 1;
+#if QG_FAST && !QG_512
+        /* AVX2, more rows of x than one pass takes: each weight row unpacked once for all */
+        const int many = fast && m > 8 && nb <= KQ_MAX_BLOCKS;
+        kq_block pre[many ? KQ_MAX_BLOCKS : 1];
+#elif QG_FAST
+        const int many = 0;
+        const kq_block *pre = NULL;
+#endif
         for (int64_t j = j0; j < j1; j++) {
             const uint8_t *wrow = w + j * row_bytes;
+#if QG_FAST && !QG_512
+            if (many) kq_unpack_row(fmt, wrow, nb, pre);
+#endif
             for (int64_t r0 = 0; r0 < m; r0 += mr) {
                 const int64_t left = m - r0;
                 /* the fast code takes 1, 2, 4 or 8 rows; the portable code any up to 8 */
@@ -486,7 +514,7 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
                 const int16_t *s = bs + r0 * (k / 16);
 #if QG_FAST
                 if (fast)
-                    krows_fast_any(fmt, wrow, nb, k, mr, q, d, s, out);
+                    krows_fast_any(fmt, wrow, nb, k, mr, q, d, s, many ? pre : NULL, out);
                 else
 #endif
                     krows_portable(fmt, wrow, nb, k, mr, q, d, s, out);
