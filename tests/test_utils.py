@@ -20,6 +20,20 @@ def test_auto_dtype_follows_native_bfloat16(monkeypatch, flags, dtype, named):
     assert got == dtype and named in why
 
 
+@pytest.mark.parametrize("cap, dtype", [("AVX2", "float32"), ("avx512_core", "float32"),
+                                        ("AVX512_CORE_BF16", "bfloat16"),
+                                        ("AVX512_CORE_AMX", "bfloat16"), ("", "bfloat16")])
+def test_auto_dtype_follows_a_onednn_cap_below_bfloat16(monkeypatch, cap, dtype):
+    """An AVX2-only CPU emulated on a bfloat16 one (ONEDNN_MAX_CPU_ISA=AVX2) gets float32
+    from --dtype auto, as the real one would, not a bfloat16 the engine then refuses."""
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    got, why = auto_dtype(CpuInfo("cpu", frozenset({"avx512f", "avx512_bf16"})))
+    assert got == dtype
+    assert ("ONEDNN_MAX_CPU_ISA" in why) == (dtype == "float32")
+
+
 def test_auto_dtype_is_the_default_and_the_environment_can_decide_it(monkeypatch):
     monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")
     args = EngineArgs()

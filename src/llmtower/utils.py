@@ -66,6 +66,17 @@ NATIVE_BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 AUTO_DTYPE_ENV = "LLMTOWER_AUTO_DTYPE"
 
 
+def onednn_isa_cap() -> str | None:
+    """oneDNN's instruction-set cap when it stops below bfloat16 arithmetic (e.g. AVX2, the
+    emulation of an AVX2-only CPU), else None."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "")
+    cap = cap.strip().upper()
+    if not cap or cap in ("ALL", "DEFAULT") or any(
+            t in cap for t in ("BF16", "AMX", "FP16", "AVX10")):
+        return None
+    return cap
+
+
 def auto_dtype(info: CpuInfo | None = None) -> tuple[str, str]:
     """What ``--dtype auto`` means on this machine, and why: bfloat16 where the CPU multiplies
     it natively (vLLM's CPU rule; ~1.6x the tokens of float32), float32 elsewhere (bfloat16
@@ -78,6 +89,10 @@ def auto_dtype(info: CpuInfo | None = None) -> tuple[str, str]:
         return forced, f"${AUTO_DTYPE_ENV}={forced}"
     flags = (info or cpu_info()).flags
     native = [f for f in NATIVE_BFLOAT16_FLAGS if f in flags]
+    cap = onednn_isa_cap()
+    if native and cap is not None:
+        return "float32", (f"oneDNN is capped below native bfloat16 (ONEDNN_MAX_CPU_ISA={cap}), "
+                           "as on a CPU without it")
     if native:
         return "bfloat16", f"this CPU multiplies bfloat16 natively ({', '.join(native)})"
     return "float32", ("this CPU has no native bfloat16 (no avx512_bf16, amx_bf16 or Arm "
