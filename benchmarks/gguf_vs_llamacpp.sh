@@ -15,7 +15,10 @@
 # on a GGML_NATIVE build on this development VM). $REPEAT (default 1) runs the whole table
 # that many times, the two engines interleaved cell by cell (a busy machine's load moves:
 # each ratio compares runs seconds apart), then prints each cell's ratios and their median.
-# $PROMPTS (default "1 16") the prompt counts of the rows.
+# $PROMPTS (default "1 16") the prompt counts of the rows. An AVX2-only CPU (issue 28): export
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 LLMTOWER_CPU_ISA=v3 and point LLAMA_CPP at a
+# llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF (docs/performance.md, "GGUF block weights on AVX2").
 set -euo pipefail
 ANCHORS=${ANCHORS:-$HOME/anchors}
 LLAMA_CPP=${LLAMA_CPP:-$ANCHORS/llama.cpp/build/bin}
