@@ -366,6 +366,30 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
 }
 
 #if !QG_512
+/* Blocks b0 .. b0 + 7 of a Q4_0 / Q8_0 weight row: u[i] the unsigned bytes the dot takes
+ * (Q4_0's nibbles, low then high; Q8_0's |w|), and their eight scales as floats (gathered in a
+ * register: a vector load after eight 2-byte stores stalls). */
+static inline __attribute__((always_inline)) __m256
+decode8(const int FMT, const uint8_t *wrow, int64_t b0, __m256i u[8]) {
+    const int64_t bb = FMT == F_Q4_0 ? 18 : 34;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m128i sw = _mm_setzero_si128();
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = wrow + (b0 + i) * bb;
+        uint16_t h;
+        memcpy(&h, blk, 2);
+        sw = _mm_insert_epi16(sw, h, i);
+        if (FMT == F_Q4_0) {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+            u[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
+        } else {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            u[i] = _mm256_sign_epi8(w, w);
+        }
+    }
+    return _mm256_cvtph_ps(sw);
+}
+
 /* One weight row of Q4_0 or Q8_0 times MR rows of x on 256-bit vectors without AVX-512, eight
  * blocks at a time: each block's integer dot in 8 lanes (u . qa: vpmaddubsw, vpmaddwd), the
  * eight dots summed to one lane each (a vphaddd tree), then the float work once per eight
@@ -385,7 +409,7 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
                 const int8_t *qa, const float *da, const float *fa, const int32_t *ns,
                 const __m256i *ub, const __m256 *sb, float *out) {
     const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : 34;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256 off = _mm256_set1_ps(FMT == F_Q4_0 ? 8.0f : 0.0f);
     __m256 acc[4];
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
@@ -397,22 +421,7 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
             for (int i = 0; i < 8; i++) u[i] = _mm256_load_si256(ub + b0 + i);
             sv = sb[b0 / 8];
         } else {
-        __m128i sw = _mm_setzero_si128(); /* the eight float16 scales (not through memory: a
-                                              vector load after eight 2-byte stores stalls) */
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *blk = wrow + (b0 + i) * bb;
-            uint16_t h;
-            memcpy(&h, blk, 2);
-            sw = _mm_insert_epi16(sw, h, i);
-            if (FMT == F_Q4_0) {
-                const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-                u[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
-            } else {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                u[i] = _mm256_sign_epi8(w, w);
-            }
-        }
-        sv = _mm256_cvtph_ps(sw);
+            sv = decode8(FMT, wrow, b0, u);
         }
         for (int r = 0; r < MR; r++) {
             const int64_t i0 = r * nbk + b0;
@@ -459,19 +468,7 @@ static void rows8_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int m
 
 /* The first nb / 8 * 8 blocks of a Q4_0 row decoded for rows8_q4_0_q8_0 (ub, sb). */
 static void q4_0_decode_row(const uint8_t *wrow, int64_t nb, __m256i *ub, __m256 *sb) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int64_t b0 = 0; b0 + 8 <= nb; b0 += 8) {
-        __m128i sw = _mm_setzero_si128();
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *blk = wrow + (b0 + i) * 18;
-            uint16_t h;
-            memcpy(&h, blk, 2);
-            sw = _mm_insert_epi16(sw, h, i);
-            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-            ub[b0 + i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
-        }
-        sb[b0 / 8] = _mm256_cvtph_ps(sw);
-    }
+    for (int64_t b0 = 0; b0 + 8 <= nb; b0 += 8) sb[b0 / 8] = decode8(F_Q4_0, wrow, b0, ub + b0);
 }
 #endif
 
