@@ -47,6 +47,15 @@ static inline __m256i qg_dpbusd(__m256i acc, __m256i u, __m256i s) {
                                                    _mm256_set1_epi16(1)));
 #endif
 }
+
+/* The sum of v's 8 lanes (vec.h's vf_reduce_add where vf is 8 lanes; these kernels use
+ * 8-lane vectors on AVX-512 builds too). */
+static inline float qg_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #endif
 
 int64_t quant_block_values(int fmt);

@@ -293,13 +293,6 @@ static void rows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, i
 
 /* ------------------------------------------------------------------ products, 256-bit vectors */
 #if QG_FAST
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One sub-block's products for MR rows: lanes start at -o * (sum of each half) (ns << shift),
  * take u . qa (FLIP: qa's bytes under the signs of SIGNS' bytes first), and are added
  * scaled (sv: the weight's scales per lane) into acc[r]. */
@@ -362,7 +355,7 @@ rows_fast(int fmt, const uint8_t *w0, int64_t row_bytes, const int NR, int64_t n
         }
         break;
     }
-    for (int r = 0; r < NR * MR; r++) out[r] = hsum8(accs[r]) + maccs[r];
+    for (int r = 0; r < NR * MR; r++) out[r] = qg_hsum8(accs[r]) + maccs[r];
 }
 
 #if !QG_512
@@ -446,7 +439,7 @@ rows8_q4_0_q8_0(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const
     if (b0 < nb)
         rows_fast(FMT, wrow + b0 * bb, 0, 1, nb - b0, k, MR, qa + 32 * b0, da + b0, fa + b0,
                   ns + 8 * b0, tail);
-    for (int r = 0; r < MR; r++) out[r] = hsum8(acc[r]) + tail[r];
+    for (int r = 0; r < MR; r++) out[r] = qg_hsum8(acc[r]) + tail[r];
 }
 
 /* rows8_q4_0_q8_0 with constant format and row count (1, 2 or 4). */

@@ -268,13 +268,7 @@ krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int 
             macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(-w.c * a), macc[r]);
         }
     }
-    for (int r = 0; r < MR; r++) {
-        const __m256 m = macc[r];
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(s);
-    }
+    for (int r = 0; r < MR; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + qg_hsum8(macc[r]);
 }
 
 /* 16 float32 values rounded to bfloat16 and stored. */
@@ -391,13 +385,6 @@ static inline __attribute__((always_inline)) __m256i kq_dot(const kq_block *w, c
     return acc;
 }
 
-static inline float kq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One weight row times MR rows of x: out[r]. One accumulator per row (16 registers: the
  * unpacked block is read from the stack as memory operands). pre (or NULL): the row's
  * super-blocks unpacked already (kq_unpack_row), for the many rows of a prefill chunk. */
@@ -409,19 +396,21 @@ krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int 
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     const int64_t bb = FMT == F_Q4_K ? 144 : FMT == F_Q5_K ? 176 : 210;
     for (int64_t b = 0; b < nb; b++) {
-        kq_block w;
-        if (pre) w = pre[b];
-        else if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &w);
-        else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, &w);
+        kq_block one;
+        const kq_block *w = pre ? pre + b : &one; /* read in place, not copied */
+        if (!pre) {
+            if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &one);
+            else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, &one);
+        }
         for (int r = 0; r < MR; r++) {
             const float a = da[r * nbk + b];
-            const __m256i dot = kq_dot(&w, qa + r * k + 256 * b);
-            const __m256i off = _mm256_madd_epi16(w.mn, _mm256_loadu_si256((const __m256i *)(bs + r * nbs + 16 * b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w.d * a), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(-w.c * a), acc[r]);
+            const __m256i dot = kq_dot(w, qa + r * k + 256 * b);
+            const __m256i off = _mm256_madd_epi16(w->mn, _mm256_loadu_si256((const __m256i *)(bs + r * nbs + 16 * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w->d * a), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(-w->c * a), acc[r]);
         }
     }
-    for (int r = 0; r < MR; r++) out[r] = kq_hsum8(acc[r]);
+    for (int r = 0; r < MR; r++) out[r] = qg_hsum8(acc[r]);
 }
 
 /* Most super-blocks of a weight row unpacked once for many rows of x (35 KiB: L1). */

@@ -28,7 +28,6 @@ from llmtower.kernels.huge_pages import empty_streamed
 from llmtower.kernels.quant_gemm import BLOCK_FORMATS, BlockWeight, quantize_activations
 from llmtower.models.gguf_dequant import dequantize
 from llmtower.models import linear as linear_ops
-from llmtower.models.linear import linear
 from llmtower.utils import cpu_info
 
 
@@ -164,7 +163,7 @@ class BlockQuantLinear:
         step = max(DEQUANT_SLAB_MIN_ROWS, DEQUANT_SLAB_BYTES // (2 * self.in_features))
         for start in range(0, p.n, step):
             end = min(start + step, p.n)
-            out[:, start:end] = linear(xb, p.rows(start, end).dequantize(dtype=torch.bfloat16))
+            out[:, start:end] = linear_ops.linear(xb, p.rows(start, end).dequantize(dtype=torch.bfloat16))
         return out
 
     def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
