@@ -1,6 +1,6 @@
 """The kernels at every instruction-set level (issue 28): the ``LLMTOWER_CPU_ISA`` setting, the
 vector layer (kernels/vec.h) checked for each x86-64 level this CPU runs and for aarch64 NEON
-under qemu, and the kernel tests run against the library built for v2, v3 and v4
+under qemu (with the decode attention and the GGUF block products built for it), and the kernel tests run against the library built for v2, v3 and v4
 (tests/kernels/isa_runs.py: at each level the tests whose code differs there, in the background
 from the end of collection), so a path that only AVX2 (or only plain-C) machines take cannot rot
 unseen here."""
@@ -78,7 +78,14 @@ def _attention_check(cmd: list[str], compiler: str, out: Path, *flags: str) -> s
     sources = [HERE / "attention_check.c",
                *(KERNELS / f for f in ("paged_attention.c", "paged_attention_vec.c",
                                        "paged_attention_grouped.c", "lib_init.c"))]
-    subprocess.run([compiler, *flags, "-O2", "-fopenmp", "-fno-math-errno", f"-I{KERNELS}",
+    return _build_and_run(cmd, compiler, sources, out, *flags)
+
+
+def _build_and_run(cmd: list[str], compiler: str, sources: list[Path], out: Path,
+                   *flags: str) -> str:
+    """A check program built from ``sources`` with the kernels' flags and run (under ``cmd``);
+    its output, after asserting it exited 0."""
+    subprocess.run([compiler, *flags, "-O3", "-fopenmp", "-fno-math-errno", f"-I{KERNELS}",
                     *map(str, sources), "-o", str(out), "-lm"], check=True, capture_output=True,
                    text=True, timeout=300)
     proc = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=300)
@@ -97,6 +104,25 @@ def test_decode_attention_neon_under_qemu_matches_float64(tmp_path):
     out = _attention_check([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC,
                            tmp_path / "attention_check")
     assert out.strip().endswith("failures=0")
+
+
+@pytest.mark.parametrize("arch", ["armv8.2-a+dotprod", "armv8-a"])
+def test_gguf_block_products_neon_under_qemu_match_float64(tmp_path, arch):
+    """The GGUF block products built for aarch64 (quant_gemm.c, quant_gemm_k.c: their NEON
+    bodies, with ARMv8.2's sdot and with baseline ARMv8's widening multiplies) under user-mode
+    emulation: every format's fast and portable products against a float64 reference over row
+    counts, block tails and threads, the activations' int8 forms exactly, and Q8_0's extremes
+    (tests/kernels/quant_check.c)."""
+    missing = [t for t in (AARCH64_CC, QEMU) if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (Debian: apt-get install "
+                    "gcc-aarch64-linux-gnu qemu-user)")
+    sources = [HERE / "quant_check.c",
+               *(KERNELS / f for f in ("quant_gemm.c", "quant_gemm_k.c", "quant_gemm_16.c",
+                                       "quant_gemm_k16.c"))]
+    out = _build_and_run([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC, sources,
+                         tmp_path / "quant_check", f"-march={arch}")
+    assert out.strip().splitlines()[-1] == "fast=1 failures=0", out[-3000:]
 
 
 @pytest.mark.parametrize("level", ["v2", "v3"])

@@ -93,7 +93,7 @@ _FAST_CODE: dict[str, tuple[str, tuple[int, ...], str]] = {
     # The portable code runs anywhere but slower than a float GEMM: GGUF block weights are
     # dequantized to the model's dtype where the fast code is missing.
     "quant_gemm": ("quant_gemm_fast", (), "the kernels are built without AVX2, FMA and F16C "
-                   "(x86-64-v3): GGUF block weights are dequantized to the model's dtype"),
+                   "(x86-64-v3) or NEON: GGUF block weights are dequantized to the model's dtype"),
 }
 
 

@@ -8,7 +8,9 @@
  * quantization in 16 lanes). QG_DPBUSD: whether vpdpbusd exists (AVX512_VNNI, or AVX-VNNI's
  * 256-bit form); without it a dot of four bytes is vpmaddubsw then vpmaddwd by ones, whose
  * int16 pair sums would saturate for unsigned bytes above 127 (Q8_0 then takes |w| and
- * the activations' signs flipped by w's instead of w + 128). */
+ * the activations' signs flipped by w's instead of w + 128). QG_NEON: aarch64's NEON bodies of
+ * the same products (signed bytes times signed bytes: sdot where ARMv8.2's dot product is built,
+ * else two widening multiplies). QG_VEC: either vector code is built (the products' fast path). */
 #ifndef LLMTOWER_QUANT_BLOCKS_H
 #define LLMTOWER_QUANT_BLOCKS_H
 
@@ -32,6 +34,13 @@
 #else
 #define QG_DPBUSD 0
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define QG_NEON 1
+#else
+#define QG_NEON 0
+#endif
+#define QG_VEC (QG_FAST || QG_NEON)
 
 #if QG_FAST
 /* acc + per int32 lane the four products of u's unsigned bytes by s's signed ones. Without
@@ -116,6 +125,43 @@ static inline int qg_hsum_epi32(__m256i v) {
 }
 #endif
 
+#if QG_NEON
+/* acc + per int32 lane a sum of four products of a's and b's signed bytes (lanes differ between
+ * the two forms; the sum of the lanes is the same integer: each product fits int16, |-128 *
+ * -128| included). */
+static inline int32x4_t qg_sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, a, b);
+#else
+    return vpadalq_s16(vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b))),
+                       vmull_high_s8(a, b));
+#endif
+}
+
+/* Lanes [sum a, sum b, sum c, sum d]. */
+static inline int32x4_t qg_sum4(int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d) {
+    return vpaddq_s32(vpaddq_s32(a, b), vpaddq_s32(c, d));
+}
+
+/* The activations' quantizers on 4 lanes: max |x| (n a multiple of 4), and 16 values times id
+ * rounded to nearest even (vcvtnq, as lrintf in the default mode) stored as int8 (|v| <= 127,
+ * the saturating narrows change nothing), returning their sum. */
+static inline float qg_absmax(const float *x, int n) {
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int j = 0; j < n; j += 4) m = vmaxq_f32(m, vabsq_f32(vld1q_f32(x + j)));
+    return vmaxvq_f32(m);
+}
+
+static inline int qg_round_store16(const float *x, float id, int8_t *q) {
+    int32x4_t v[4];
+    for (int i = 0; i < 4; i++) v[i] = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + 4 * i), id));
+    const int16x8_t a = vcombine_s16(vqmovn_s32(v[0]), vqmovn_s32(v[1]));
+    const int16x8_t b = vcombine_s16(vqmovn_s32(v[2]), vqmovn_s32(v[3]));
+    vst1q_s8(q, vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
+    return vaddvq_s32(vaddq_s32(vaddq_s32(v[0], v[1]), vaddq_s32(v[2], v[3])));
+}
+#endif
+
 #if QG_512
 /* P[v] lane i (i = 4L + c): dword v of the 16 bytes at p0 + i * row_bytes: sixteen weight rows
  * transposed so that int32 lane i holds row i (quant_gemm.c cols16, quant_gemm_k16.c). */
@@ -145,6 +191,10 @@ static inline float half_to_float(const uint8_t *p) {
     memcpy(&h, p, 2);
 #if QG_FAST
     return _cvtsh_ss(h);
+#elif QG_NEON
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;

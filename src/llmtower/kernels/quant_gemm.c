@@ -25,8 +25,9 @@
  *
  * The fast path needs AVX2, FMA and F16C (its vectors are 256-bit; vpdpbusd where AVX512_VNNI
  * or AVX-VNNI has it, else vpmaddubsw + vpmaddwd: quant_blocks.h qg_dpbusd); the groups of 16
- * weight rows (quant_gemm_16.c) need AVX512_VNNI. Elsewhere the portable code computes the
- * same sums in scalar C (its own summation order).
+ * weight rows (quant_gemm_16.c) need AVX512_VNNI. On aarch64 NEON bodies take signed weight
+ * bytes (Q4_0's nibbles less 8: no offset term) times the activations, four blocks at a time.
+ * Elsewhere the portable code computes the same sums in scalar C (its own summation order).
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,7 +39,7 @@
 
 #define QG_MR 4 /* rows of x per pass over a weight row */
 
-int quant_gemm_fast(void) { return QG_FAST; }
+int quant_gemm_fast(void) { return QG_VEC; }
 
 /* (values, bytes) of one block of `fmt`; 0 values for a format this file cannot read. */
 int64_t quant_block_values(int fmt) {
@@ -247,6 +248,12 @@ void quant_act(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, fl
             s0 = qg_hsum_epi32(_mm256_add_epi32(qg_round_store8(xb, vid, q), qg_round_store8(xb + 8, vid, q + 8)));
             s1 = qg_hsum_epi32(_mm256_add_epi32(qg_round_store8(xb + 16, vid, q + 16),
                                                 qg_round_store8(xb + 24, vid, q + 24)));
+#elif QG_NEON
+            amax = qg_absmax(xb, 32);
+            d = amax / 127.0f;
+            id = d > 0.0f ? 127.0f / amax : 0.0f;
+            s0 = qg_round_store16(xb, id, q);
+            s1 = qg_round_store16(xb + 16, id, q + 16);
 #else
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
             d = amax / 127.0f;
@@ -483,6 +490,160 @@ static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int n
 
 #endif
 
+/* ------------------------------------------------------------------ products, NEON */
+#if QG_NEON
+/* Blocks b0 .. b0 + 3 of a Q4_0 / Q4_1 / Q8_0 weight row as signed bytes, two vectors a block
+ * (Q4_0: nibble - 8, so no offset term; Q4_1: the nibbles; Q8_0: as stored), their scales and
+ * (Q4_1) minimums as 4 floats. */
+static inline __attribute__((always_inline)) void
+neon_decode4(const int FMT, const uint8_t *wrow, int64_t b0, int8x16_t v[8], float32x4_t *sv,
+             float32x4_t *mv) {
+    const int64_t bb = FMT == F_Q4_0 ? 18 : FMT == F_Q4_1 ? 20 : 34;
+    float s[4], mn[4];
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *blk = wrow + (b0 + i) * bb;
+        s[i] = half_to_float(blk);
+        if (FMT == F_Q8_0) {
+            v[2 * i] = vld1q_s8((const int8_t *)blk + 2);
+            v[2 * i + 1] = vld1q_s8((const int8_t *)blk + 18);
+        } else {
+            const uint8x16_t q = vld1q_u8(blk + (FMT == F_Q4_1 ? 4 : 2));
+            int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
+            int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
+            if (FMT == F_Q4_0) { lo = vsubq_s8(lo, vdupq_n_s8(8)); hi = vsubq_s8(hi, vdupq_n_s8(8)); }
+            v[2 * i] = lo;
+            v[2 * i + 1] = hi;
+        }
+        mn[i] = FMT == F_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+    }
+    *sv = vld1q_f32(s);
+    *mv = vld1q_f32(mn);
+}
+
+/* One weight row of Q4_0 / Q4_1 / Q8_0 times MR rows of x, four blocks at a time: each block's
+ * dot in 4 int32 lanes (two sdots), the four blocks' dots summed to one lane each, then the
+ * float work once per four blocks, a block a lane:
+ *
+ *   acc += s_w * (da * dot)  (+ m_w * fa for Q4_1's minimum)
+ *
+ * The blocks are decoded once for the MR rows, or taken decoded from pre (two vectors a block)
+ * with their scales ps and minimums pm: a prefill chunk's rows run four at a time over one
+ * weight row decoded once. The last nb % 4 blocks: one lane sum each. */
+static inline __attribute__((always_inline)) void
+rows_neon(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
+          const int8_t *qa, const float *da, const float *fa, const int8x16_t *pre,
+          const float *ps, const float *pm, float *out) {
+    const int64_t nbk = k / 32, bb = FMT == F_Q4_0 ? 18 : FMT == F_Q4_1 ? 20 : 34;
+    const int32x4_t z = vdupq_n_s32(0);
+    float32x4_t acc[4];
+    for (int r = 0; r < MR; r++) acc[r] = vdupq_n_f32(0.0f);
+    int64_t b0 = 0;
+    for (; b0 + 4 <= nb; b0 += 4) {
+        int8x16_t v[8];
+        float32x4_t sv, mv = vdupq_n_f32(0.0f);
+        if (pre) {
+            for (int i = 0; i < 8; i++) v[i] = pre[2 * b0 + i];
+            sv = vld1q_f32(ps + b0);
+            if (FMT == F_Q4_1) mv = vld1q_f32(pm + b0);
+        } else {
+            neon_decode4(FMT, wrow, b0, v, &sv, &mv);
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t i0 = r * nbk + b0;
+            const int8_t *q = qa + 32 * i0;
+            int32x4_t d[4];
+            for (int i = 0; i < 4; i++)
+                d[i] = qg_sdot(qg_sdot(z, v[2 * i], vld1q_s8(q + 32 * i)), v[2 * i + 1],
+                               vld1q_s8(q + 32 * i + 16));
+            const float32x4_t t = vmulq_f32(vcvtq_f32_s32(qg_sum4(d[0], d[1], d[2], d[3])),
+                                            vld1q_f32(da + i0));
+            acc[r] = vfmaq_f32(acc[r], t, sv);
+            if (FMT == F_Q4_1) acc[r] = vfmaq_f32(acc[r], mv, vld1q_f32(fa + i0));
+        }
+    }
+    float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; b0 < nb; b0++) {
+        const uint8_t *blk = wrow + b0 * bb;
+        const float s = half_to_float(blk), mn = FMT == F_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+        int8x16_t lo, hi;
+        if (FMT == F_Q8_0) {
+            lo = vld1q_s8((const int8_t *)blk + 2);
+            hi = vld1q_s8((const int8_t *)blk + 18);
+        } else {
+            const uint8x16_t q = vld1q_u8(blk + (FMT == F_Q4_1 ? 4 : 2));
+            lo = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
+            hi = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
+            if (FMT == F_Q4_0) { lo = vsubq_s8(lo, vdupq_n_s8(8)); hi = vsubq_s8(hi, vdupq_n_s8(8)); }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = r * nbk + b0;
+            const int dot = vaddvq_s32(qg_sdot(qg_sdot(z, lo, vld1q_s8(qa + 32 * i)), hi,
+                                               vld1q_s8(qa + 32 * i + 16)));
+            tail[r] += s * (da[i] * (float)dot) + mn * fa[i];
+        }
+    }
+    for (int r = 0; r < MR; r++) out[r] = vaddvq_f32(acc[r]) + tail[r];
+}
+
+/* rows_neon with constant format and row count (1, 2 or 4). */
+static void rows_neon_any(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, int mr,
+                          const int8_t *qa, const float *da, const float *fa, const int8x16_t *pre,
+                          const float *ps, const float *pm, float *out) {
+#define ROWS4(FMT)                                                                               \
+    switch (mr) {                                                                                \
+    case 1: rows_neon(FMT, wrow, nb, k, 1, qa, da, fa, pre, ps, pm, out); break;                 \
+    case 2: rows_neon(FMT, wrow, nb, k, 2, qa, da, fa, pre, ps, pm, out); break;                 \
+    default: rows_neon(FMT, wrow, nb, k, 4, qa, da, fa, pre, ps, pm, out); break;                \
+    }
+    switch (fmt) {
+    case F_Q4_0: ROWS4(F_Q4_0) break;
+    case F_Q4_1: ROWS4(F_Q4_1) break;
+    default: ROWS4(F_Q8_0) break;
+    }
+#undef ROWS4
+}
+
+/* Most blocks of a weight row decoded once for many rows of x (16 KiB of bytes: L1). */
+#define NEON_MAX_BLOCKS 512
+
+/* The first nb / 4 * 4 blocks of a weight row decoded for rows_neon (pre, ps, pm). */
+static void neon_decode_row(int fmt, const uint8_t *wrow, int64_t nb, int8x16_t *pre, float *ps,
+                            float *pm) {
+    for (int64_t b0 = 0; b0 + 4 <= nb; b0 += 4) {
+        float32x4_t sv, mv;
+        switch (fmt) {
+        case F_Q4_0: neon_decode4(F_Q4_0, wrow, b0, pre + 2 * b0, &sv, &mv); break;
+        case F_Q4_1: neon_decode4(F_Q4_1, wrow, b0, pre + 2 * b0, &sv, &mv); break;
+        default: neon_decode4(F_Q8_0, wrow, b0, pre + 2 * b0, &sv, &mv); break;
+        }
+        vst1q_f32(ps + b0, sv);
+        vst1q_f32(pm + b0, mv);
+    }
+}
+
+/* quant_gemm_share's rows [j0, j1) on NEON: up to 4 rows of x a pass; more than 4 rows: each
+ * weight row decoded once for all of them. */
+static void neon_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1,
+                       int64_t k, int64_t m, const int8_t *qa, const float *da, const float *fa,
+                       float *y, int64_t ldy) {
+    const int64_t nb = k / 32, nbk = k / 32;
+    const int many = m > 4 && nb <= NEON_MAX_BLOCKS;
+    int8x16_t pre[many ? 2 * NEON_MAX_BLOCKS : 1];
+    float ps[many ? NEON_MAX_BLOCKS : 1], pm[many ? NEON_MAX_BLOCKS : 1], out[4];
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *wrow = w + j * row_bytes;
+        if (many) neon_decode_row(fmt, wrow, nb, pre, ps, pm);
+        for (int64_t r0 = 0; r0 < m;) {
+            const int mr = m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
+            rows_neon_any(fmt, wrow, nb, k, mr, qa + r0 * k, da + r0 * nbk, fa + r0 * nbk,
+                          many ? pre : NULL, ps, pm, out);
+            for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + j] = out[r];
+            r0 += mr;
+        }
+    }
+}
+#endif
+
 /* quant_gemm's work for the calling thread of the enclosing team (its share of the weight
  * rows; no barrier): quant_layer.c runs a layer's products in one parallel region. The format
  * and k are the caller's to check (quant_gemm does). */
@@ -490,7 +651,7 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
                       int64_t m, const int8_t *qa, const float *da, const float *fa,
                       const int32_t *ns, float *y, int64_t ldy, int path) {
     const int64_t nb = k / 32, nbk = k / 32;
-    const int fast = QG_FAST && path == 0;
+    const int fast = QG_VEC && path == 0;
     /* Q4_0 / Q8_0 on the fast path: groups of 16 weight rows (quant_gemm_16.c), the rest one by one */
     const int64_t n16 = QG_512 && fast && (fmt == F_Q4_0 || fmt == F_Q8_0) ? n / 16 * 16 : 0;
     (void)ns;
@@ -503,6 +664,12 @@ void quant_gemm_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, i
         int64_t j0 = n16 + (n - n16) * t / team;
         const int64_t j1 = n16 + (n - n16) * (t + 1) / team;
         float out[8];
+#if QG_NEON
+        if (fast) {
+            neon_share(fmt, w, row_bytes, j0, j1, k, m, qa, da, fa, y, ldy);
+            j0 = j1; /* done */
+        }
+#endif
 #if QG_FAST
 #if !QG_512
         /* eight blocks at a time, up to 4 rows of x: Q4_0 always, Q8_0 for a decode's one row

@@ -18,8 +18,9 @@
  * The ISA-specific pieces are the unpacking of one super-block into four 64-byte vectors of u
  * with their per-lane int16 scales (kq_unpack_*) and the per-row dot (kq_dot): AVX-512 VNNI
  * bodies, and AVX2 ones on eight 32-byte vectors (vpmaddubsw, then vpmaddwd by the scales and
- * an add where vpdpwssd would take both). Elsewhere the portable code computes the same
- * integer sums in scalar C (through decode_sub, quant_blocks.h).
+ * an add where vpdpwssd would take both), and NEON ones on sixteen 16-byte vectors (sdot, the
+ * four 16-sums of a vector of scales added at once). Elsewhere the portable code computes the
+ * same integer sums in scalar C (through decode_sub, quant_blocks.h).
  *
  * The error against the float product of the dequantized weights is that of rounding each
  * activation to its 256-block's int8 grid (at most max|x| / 254 per value); tests bound it.
@@ -65,7 +66,7 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
             __m512 vmax = _mm512_setzero_ps();
             for (int j = 0; j < 256; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
             amax = _mm512_reduce_max_ps(vmax);
-#elif QG_FAST
+#elif QG_FAST || QG_NEON
             amax = qg_absmax(xb, 256);
 #else
             for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -87,6 +88,11 @@ void quant_act_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *qa, 
                 const __m256i a = qg_round_store8(xb + 16 * g, vid, q + 16 * to);
                 const __m256i b = qg_round_store8(xb + 16 * g + 8, vid, q + 16 * to + 8);
                 s[to] = (int16_t)qg_hsum_epi32(_mm256_add_epi32(a, b));
+            }
+#elif QG_NEON
+            for (int g = 0; g < 16; g++) {
+                const int to = nibble_order ? 2 * kq_pos(g / 2) + (g & 1) : g;
+                s[to] = (int16_t)qg_round_store16(xb + 16 * g, id, q + 16 * to);
             }
 #else
             for (int g = 0; g < 16; g++) {
@@ -130,7 +136,7 @@ static void krows_portable(int fmt, const uint8_t *wrow, int64_t nb, int64_t k, 
     for (int r = 0; r < mr; r++) out[r] = acc[r];
 }
 
-#if QG_FAST
+#if QG_VEC
 /* Q4_K / Q5_K's eight 6-bit scales and minimums from the 12 packed bytes: the bytes of
  * (sc0..3, sc4..7) and (mn0..3, mn4..7) as two pairs of 32-bit words (k_scale_min for all
  * eight at once). */
@@ -144,6 +150,9 @@ static inline void k_scales_mins(const uint8_t *q, uint32_t sc[2], uint32_t mn[2
     sc[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
     mn[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
 }
+#endif
+
+#if QG_FAST
 
 /* Q4_K / Q5_K's minimums, each for both of its 16s, sub-blocks in the nibble order: the
  * factors of the activations' 16-sums (kq_block's mn). */
@@ -412,7 +421,120 @@ krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int 
     }
     for (int r = 0; r < MR; r++) out[r] = qg_hsum8(acc[r]);
 }
+#endif
 
+/* ------------------------------------------------------------------ products, NEON */
+#if QG_NEON
+/* One super-block unpacked for NEON: u[g] the 16 unsigned values g*16 .. g*16+15 of the
+ * activations' order (Q4_K / Q5_K: the nibble order, kq_pos) as bytes, sc the int32 scale of
+ * each 16 (lanes of sc[g / 4]), mn the 16 int16 factors of the activations' 16-sums, d and c as
+ * the AVX2 body's: sum w a = da * (d * sum sc*(u.qa) - c * sum mn * bsum). */
+typedef struct {
+    int8x16_t u[16];
+    int32x4_t sc[4];
+    int16x8_t mn[2];
+    float d, c;
+} kq_block;
+
+static inline __attribute__((always_inline)) void
+kq_unpack_q45k(const uint8_t *blk, const int FIVE, kq_block *o) {
+    uint32_t sc[2], mn[2];
+    k_scales_mins(blk + 4, sc, mn);
+    o->d = half_to_float(blk);
+    o->c = half_to_float(blk + 2);
+    const uint8_t *s8 = (const uint8_t *)sc, *m8 = (const uint8_t *)mn;
+    int32_t sc16[16];
+    int16_t mn16[16];
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1);
+    const uint8_t *qs = blk + (FIVE ? 48 : 16);
+    for (int j = 0; j < 8; j++) { /* unit j is sub-block kq_pos(j), as in the AVX2 body */
+        const int sb = kq_pos(j);
+        for (int h = 0; h < 2; h++) {
+            const uint8x16_t q = vld1q_u8(qs + 64 * (j / 4) + 32 * (j & 1) + 16 * h);
+            uint8x16_t u = (j & 2) ? vshrq_n_u8(q, 4) : vandq_u8(q, m4);
+            if (FIVE) {
+                const uint8x16_t qh = vld1q_u8(blk + 16 + 16 * h);
+                u = vorrq_u8(u, vshlq_n_u8(vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t)-sb)), one), 4));
+            }
+            o->u[2 * j + h] = vreinterpretq_s8_u8(u);
+            sc16[2 * j + h] = s8[sb];
+            mn16[2 * j + h] = m8[sb];
+        }
+    }
+    for (int i = 0; i < 4; i++) o->sc[i] = vld1q_s32(sc16 + 4 * i);
+    o->mn[0] = vld1q_s16(mn16);
+    o->mn[1] = vld1q_s16(mn16 + 8);
+}
+
+static inline __attribute__((always_inline)) void kq_unpack_q6k(const uint8_t *blk, kq_block *o) {
+    const float d = half_to_float(blk + 208);
+    o->d = d;
+    o->c = 32.0f * d;
+    const int8x16_t sc = vld1q_s8((const int8_t *)blk + 192);
+    o->mn[0] = vmovl_s8(vget_low_s8(sc));
+    o->mn[1] = vmovl_high_s8(sc);
+    o->sc[0] = vmovl_s16(vget_low_s16(o->mn[0]));
+    o->sc[1] = vmovl_high_s16(o->mn[0]);
+    o->sc[2] = vmovl_s16(vget_low_s16(o->mn[1]));
+    o->sc[3] = vmovl_high_s16(o->mn[1]);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x03);
+    for (int j = 0; j < 8; j++) { /* unit j = 4c + t, as in the AVX2 body */
+        const int c = j / 4, t = j % 4;
+        for (int h = 0; h < 2; h++) {
+            const uint8x16_t ql = vld1q_u8(blk + 64 * c + 32 * (t & 1) + 16 * h);
+            const uint8x16_t qh = vld1q_u8(blk + 128 + 32 * c + 16 * h);
+            const uint8x16_t lo = (t & 2) ? vshrq_n_u8(ql, 4) : vandq_u8(ql, m4);
+            const uint8x16_t hi = vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t)(-2 * t))), m3);
+            o->u[2 * j + h] = vreinterpretq_s8_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4)));
+        }
+    }
+}
+
+/* One row's integer sums for one unpacked super-block: sum sc * (u . qa) in 4 int32 lanes
+ * (at most 16 * 16 * 63 * 127 * 128 in all: no overflow). */
+static inline __attribute__((always_inline)) int32x4_t kq_dot(const kq_block *w, const int8_t *q) {
+    const int32x4_t z = vdupq_n_s32(0);
+    int32x4_t acc = z;
+    for (int i = 0; i < 4; i++) {
+        int32x4_t d[4];
+        for (int g = 0; g < 4; g++) d[g] = qg_sdot(z, w->u[4 * i + g], vld1q_s8(q + 64 * i + 16 * g));
+        acc = vmlaq_s32(acc, qg_sum4(d[0], d[1], d[2], d[3]), w->sc[i]);
+    }
+    return acc;
+}
+
+/* One weight row times MR rows of x: out[r]; pre as in the AVX2 body. */
+static inline __attribute__((always_inline)) void
+krows_fast(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int MR,
+           const int8_t *qa, const float *da, const int16_t *bs, const kq_block *pre, float *out) {
+    const int64_t nbk = k / 256, nbs = k / 16;
+    float32x4_t acc[QK_MR];
+    for (int r = 0; r < MR; r++) acc[r] = vdupq_n_f32(0.0f);
+    const int64_t bb = FMT == F_Q4_K ? 144 : FMT == F_Q5_K ? 176 : 210;
+    for (int64_t b = 0; b < nb; b++) {
+        kq_block one;
+        const kq_block *w = pre ? pre + b : &one;
+        if (!pre) {
+            if (FMT == F_Q6_K) kq_unpack_q6k(wrow + b * bb, &one);
+            else kq_unpack_q45k(wrow + b * bb, FMT == F_Q5_K, &one);
+        }
+        for (int r = 0; r < MR; r++) {
+            const float a = da[r * nbk + b];
+            const int16_t *g = bs + r * nbs + 16 * b;
+            const int16x8_t g0 = vld1q_s16(g), g1 = vld1q_s16(g + 8);
+            int32x4_t off = vmull_s16(vget_low_s16(w->mn[0]), vget_low_s16(g0));
+            off = vmlal_high_s16(off, w->mn[0], g0);
+            off = vmlal_s16(off, vget_low_s16(w->mn[1]), vget_low_s16(g1));
+            off = vmlal_high_s16(off, w->mn[1], g1);
+            acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(kq_dot(w, qa + r * k + 256 * b)), w->d * a);
+            acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(off), -w->c * a);
+        }
+    }
+    for (int r = 0; r < MR; r++) out[r] = vaddvq_f32(acc[r]);
+}
+#endif
+
+#if QG_FAST && !QG_512 || QG_NEON
 /* Most super-blocks of a weight row unpacked once for many rows of x (35 KiB: L1). */
 #define KQ_MAX_BLOCKS 64
 
@@ -425,9 +547,12 @@ static void kq_unpack_row(int fmt, const uint8_t *wrow, int64_t nb, kq_block *o)
         else kq_unpack_q45k(wrow + b * bb, 0, o + b);
     }
 }
+#define KQ_PRE 1
+#else
+#define KQ_PRE 0
 #endif
 
-#if QG_FAST
+#if QG_VEC
 /* constant format and row count (1, 2, 4 or 8): the accumulators stay in registers */
 #define KQ_ROWS(FMT)                                                                             \
     switch (mr) {                                                                                \
@@ -467,7 +592,7 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
                         int64_t m, const int8_t *qa, const float *da, const int16_t *bs, float *y,
                         int64_t ldy, int path) {
     const int64_t nb = k / 256;
-    const int fast = QG_FAST && path != 1;
+    const int fast = QG_VEC && path != 1;
     /* from KC_MIN_ROWS rows of x on the fast path: groups of 16 weight rows (quant_gemm_k16.c),
      * the rest one by one; path 2: one by one only (benchmarks and tests compare) */
     const int64_t n16 = QG_512 && fast && path != 2 && m >= KC_MIN_ROWS ? n / 16 * 16 : 0;
@@ -480,17 +605,17 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
         const int64_t j0 = n16 + (n - n16) * t / team, j1 = n16 + (n - n16) * (t + 1) / team;
         float out[QK_MR];
         int mr = 1;
-#if QG_FAST && !QG_512
-        /* AVX2, more rows of x than one pass takes: each weight row unpacked once for all */
+#if KQ_PRE
+        /* AVX2 / NEON, more rows of x than one pass takes: each weight row unpacked once for all */
         const int many = fast && m > 8 && nb <= KQ_MAX_BLOCKS;
         kq_block pre[many ? KQ_MAX_BLOCKS : 1];
-#elif QG_FAST
+#elif QG_VEC
         const int many = 0;
         const kq_block *pre = NULL;
 #endif
         for (int64_t j = j0; j < j1; j++) {
             const uint8_t *wrow = w + j * row_bytes;
-#if QG_FAST && !QG_512
+#if KQ_PRE
             if (many) kq_unpack_row(fmt, wrow, nb, pre);
 #endif
             for (int64_t r0 = 0; r0 < m; r0 += mr) {
@@ -501,7 +626,7 @@ void quant_gemm_k_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n,
                 const int8_t *q = qa + r0 * k;
                 const float *d = da + r0 * nb;
                 const int16_t *s = bs + r0 * (k / 16);
-#if QG_FAST
+#if QG_VEC
                 if (fast)
                     krows_fast_any(fmt, wrow, nb, k, mr, q, d, s, many ? pre : NULL, out);
                 else
