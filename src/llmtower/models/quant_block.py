@@ -10,8 +10,9 @@ with ordinary reads, not through a mapping, so its pages count once (in the page
 not again in this process.
 
 Parts in formats without a block kernel (Q5_0, Q5_1, Q2_K, Q3_K), or where the kernel's fast
-code is missing (x86 below x86-64-v3; it exists for AVX2, AVX-512 and aarch64 NEON), are dequantized per tensor to the model's dtype and take the float path: one
-tensor at a time, never a float32 copy of the whole model.
+code is missing (x86 below x86-64-v3; it exists for AVX2, AVX-512 and aarch64 NEON), are
+dequantized per tensor to the model's dtype and take the float path: one tensor at a time,
+never a float32 copy of the whole model.
 """
 from __future__ import annotations
 
