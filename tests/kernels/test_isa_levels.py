@@ -1,6 +1,6 @@
 """The kernels at every instruction-set level (issue 28): the ``LLMTOWER_CPU_ISA`` setting, the
 vector layer (kernels/vec.h) checked for each x86-64 level this CPU runs and for aarch64 NEON
-under qemu (with the decode attention and the GGUF block products built for it), and the kernel tests run against the library built for v2, v3 and v4
+under qemu (with the decode and prefill attention and the GGUF block products built for it), and the kernel tests run against the library built for v2, v3 and v4
 (tests/kernels/isa_runs.py: at each level the tests whose code differs there, in the background
 from the end of collection), so a path that only AVX2 (or only plain-C) machines take cannot rot
 unseen here."""
@@ -123,6 +123,22 @@ def test_gguf_block_products_neon_under_qemu_match_float64(tmp_path, arch):
     out = _build_and_run([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC, sources,
                          tmp_path / "quant_check", f"-march={arch}")
     assert out.strip().splitlines()[-1] == "fast=1 failures=0", out[-3000:]
+
+
+def test_prefill_attention_neon_under_qemu_matches_float64(tmp_path):
+    """float32 prefill attention built for aarch64 (its NEON score and value passes, sized to
+    32 registers) under user-mode emulation, against a float64 causal softmax: chunk lengths
+    around its 16-row blocks, grouped heads, strided rows, 1 and 2 threads
+    (tests/kernels/prefill_check.c)."""
+    missing = [t for t in (AARCH64_CC, QEMU) if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (Debian: apt-get install "
+                    "gcc-aarch64-linux-gnu qemu-user)")
+    sources = [HERE / "prefill_check.c", KERNELS / "prefill_attention_f32.c",
+               KERNELS / "lib_init.c"]
+    out = _build_and_run([QEMU, "-L", "/usr/aarch64-linux-gnu"], AARCH64_CC, sources,
+                         tmp_path / "prefill_check")
+    assert out.strip().splitlines()[-1] == "built=1 failures=0", out[-3000:]
 
 
 @pytest.mark.parametrize("level", ["v2", "v3"])
