@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
 import logging
 
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from llmtower.kernels import build, ops
 from llmtower.kernels.paged_attention import paged_decode
 from llmtower.models.attention import resolve_backend
+from llmtower.utils import cpu_info
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
@@ -181,6 +184,31 @@ def test_a_build_without_march_native_still_links_one_library(tmp_path, monkeypa
     lib.kernel_isa.restype = ctypes.c_char_p
     assert b"avx512f" not in lib.kernel_isa()  # no AVX-512 without -march
     assert hasattr(lib, "paged_decode_mq") and hasattr(lib, "kernel_vector_exp_check")
+
+
+def test_a_compiler_wrapper_gets_its_own_library(tmp_path, monkeypatch):
+    """An AVX2 host emulated by a CC wrapper that rewrites -march=native to x86-64-v3 (and
+    prints the real compiler's --version) must not load the native library cached before it."""
+    if "avx512f" not in cpu_info().flags:
+        pytest.skip("the native build here has no AVX-512 to tell apart")
+    monkeypatch.setattr(build, "sources", lambda: [build.HERE / "lib_init.c",
+                                                   build.HERE / "cpu_bind.c"])
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    wrapper = tmp_path / "cc-v3"
+    wrapper.write_text(f'#!/bin/sh\nfor a; do shift; [ "$a" = -march=native ] && '
+                       f'a=-march=x86-64-v3; set -- "$@" "$a"; done\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    native = build.build(tmp_path / "cache")
+    monkeypatch.setenv("CC", str(wrapper))
+    emulated = build.build(tmp_path / "cache")
+    assert emulated != native
+    isa = []
+    for path in (native, emulated):
+        lib = ctypes.CDLL(str(path))
+        lib.kernel_isa.restype = ctypes.c_char_p
+        isa.append(lib.kernel_isa())
+    assert b"avx512f" in isa[0] and b"avx512f" not in isa[1] and b"avx2" in isa[1]
 
 
 def test_capabilities_name_each_kernel_and_take_paths_off_by_copy():

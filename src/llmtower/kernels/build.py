@@ -143,8 +143,12 @@ def build(cache: Path | None = None) -> Path:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
     srcs = sources()
     texts = [f"{p.name}\0{p.read_text()}" for p in sorted(HERE.glob("*.[ch]"))]
+    # The compiler's own path too: a CC wrapper (one that rewrites -march=native to emulate an
+    # older CPU) prints the same --version as the compiler it runs, but builds another library.
+    where = os.path.realpath(shutil.which(cc) or cc)
     key = hashlib.sha256("\0".join(
-        [*texts, " ".join(arches[0] + CFLAGS + LDFLAGS), version, " ".join(sorted(cpu_info().flags))]
+        [*texts, " ".join(arches[0] + CFLAGS + LDFLAGS), where, version,
+         " ".join(sorted(cpu_info().flags))]
     ).encode()).hexdigest()[:16]
     cache = cache if cache is not None else cache_root() / "kernels"
     lib = cache / f"{NAME}-{key}.so"
