@@ -85,6 +85,7 @@ QUANT = [f"test_quant_gemm.py::test_product_matches_float_product_of_dequantized
          for f in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") for m in (1, 6, 16)] + [
     f"test_quant_gemm.py::test_{t}" for t in (
         "many_row_products_agree_with_portable_code_across_tile_edges", "fast_and_portable_agree",
+        "prefill_chunks_over_several_panels_agree_with_portable_code",
         "q8_0_extremes_sum_exactly", "one_row_products_over_eight_block_runs_and_their_tails",
         "k_activations_are_int8_per_256_with_sums_of_16",
         "activations_are_int8_per_32_with_their_sums")] + [

@@ -8,7 +8,8 @@
  *   dequantized weights (quant_dequant, gguf's values) times the activations as quantized
  *   (qa * da), within 1e-5 of the sum of |w| |a| (the integer sums are exact; only the float
  *   work's order differs), for 1 to 17 rows of x (the row groups, the decoded-row reuse of a
- *   prefill chunk and their tails), block counts that leave tails, and 1 and 2 threads;
+ *   prefill chunk and their tails), block counts that leave tails, 1 and 2 threads, and
+ *   chunks whose activations overflow L1 over several panels of decoded weight rows;
  * - Q8_0 weights of -128 and 127 against activations of 127 (sums that saturate int16 pairs).
  *
  * Built with the kernels' own sources (test_isa_levels.py: for aarch64 under qemu, where the
@@ -161,6 +162,12 @@ int main(void) {
     for (int f = 0; f < 3; f++)
         for (int mi = 0; mi < 8; mi++) check(large[f], 5, 256 * 3, ms[mi], 1 + mi % 2, 0);
     for (int mi = 0; mi < 8; mi++) check(Q8_0, 6, 32 * 9, ms[mi], 1, 1);
+    /* prefill chunks past L1 (m * k > 32 KiB): weight rows a panel at a time, 70 rows making
+     * two or more panels (quant_blocks.h PANEL_BYTES), with 4- or 8-row groups and their tails */
+    for (int f = 0; f < 3; f++) {
+        check(small[f], 70, 32 * 130, 9, 2, 0);
+        check(large[f], 70, 256 * 12, 11, 1 + f % 2, 0);
+    }
     printf("fast=%d failures=%d\n", quant_gemm_fast(), failures);
     return failures != 0;
 }

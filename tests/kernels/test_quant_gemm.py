@@ -96,6 +96,22 @@ def test_many_row_products_agree_with_portable_code_across_tile_edges(qtype, m):
     assert ((fast - x.double() @ wf.T).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_prefill_chunks_over_several_panels_agree_with_portable_code(qtype):
+    """A prefill chunk whose activations overflow L1 (12 rows of k = 4096) on the AVX2 / NEON
+    code takes the weight rows a panel at a time (quant_blocks.h PANEL_BYTES: Q4_0 56 rows of
+    4096, the K formats 28, so 70 rows make two or three panels, the last one short), each 4 or
+    8 rows of x over the whole panel: the portable code's sums up to float rounding."""
+    if 0 not in PATHS:
+        pytest.skip("the fast code is not built here")
+    n, k, m = 70, 4096, 12
+    data = random_blocks(qtype, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    fast = from_numpy(int(qtype), data, n, k, path=0)(x).double()
+    portable = from_numpy(int(qtype), data, n, k, path=1)(x).double()
+    assert (fast - portable).abs().max() < 1e-5 * portable.abs().mean()
+
+
 @pytest.mark.parametrize("k", [256, 416, 1312])  # 8 blocks, 8 + 5, 5 x 8 + 1
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
 def test_one_row_products_over_eight_block_runs_and_their_tails(qtype, k):
