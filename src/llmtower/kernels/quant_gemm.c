@@ -534,9 +534,26 @@ static void rows_fast_any(int fmt, const uint8_t *wrow, int64_t row_bytes, int n
 
 /* ------------------------------------------------------------------ products, NEON */
 #if QG_NEON
-/* Blocks b0 .. b0 + 3 of a Q4_0 / Q4_1 / Q8_0 weight row as signed bytes, two vectors a block
- * (Q4_0: nibble - 8, so no offset term; Q4_1: the nibbles; Q8_0: as stored), their scales and
- * (Q4_1) minimums as 4 floats. */
+/* One Q4_0 / Q4_1 / Q8_0 block's 32 values as signed bytes, two vectors (Q4_0: nibble - 8, so
+ * no offset term; Q4_1: the nibbles; Q8_0: as stored). */
+static inline __attribute__((always_inline)) void
+neon_decode1(const int FMT, const uint8_t *blk, int8x16_t v[2]) {
+    if (FMT == F_Q8_0) {
+        v[0] = vld1q_s8((const int8_t *)blk + 2);
+        v[1] = vld1q_s8((const int8_t *)blk + 18);
+        return;
+    }
+    const uint8x16_t q = vld1q_u8(blk + (FMT == F_Q4_1 ? 4 : 2));
+    v[0] = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
+    v[1] = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
+    if (FMT == F_Q4_0) {
+        v[0] = vsubq_s8(v[0], vdupq_n_s8(8));
+        v[1] = vsubq_s8(v[1], vdupq_n_s8(8));
+    }
+}
+
+/* Blocks b0 .. b0 + 3 of a weight row decoded (neon_decode1), their scales and (Q4_1)
+ * minimums as 4 floats. */
 static inline __attribute__((always_inline)) void
 neon_decode4(const int FMT, const uint8_t *wrow, int64_t b0, int8x16_t v[8], float32x4_t *sv,
              float32x4_t *mv) {
@@ -545,17 +562,7 @@ neon_decode4(const int FMT, const uint8_t *wrow, int64_t b0, int8x16_t v[8], flo
     for (int i = 0; i < 4; i++) {
         const uint8_t *blk = wrow + (b0 + i) * bb;
         s[i] = half_to_float(blk);
-        if (FMT == F_Q8_0) {
-            v[2 * i] = vld1q_s8((const int8_t *)blk + 2);
-            v[2 * i + 1] = vld1q_s8((const int8_t *)blk + 18);
-        } else {
-            const uint8x16_t q = vld1q_u8(blk + (FMT == F_Q4_1 ? 4 : 2));
-            int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
-            int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
-            if (FMT == F_Q4_0) { lo = vsubq_s8(lo, vdupq_n_s8(8)); hi = vsubq_s8(hi, vdupq_n_s8(8)); }
-            v[2 * i] = lo;
-            v[2 * i + 1] = hi;
-        }
+        neon_decode1(FMT, blk, v + 2 * i);
         mn[i] = FMT == F_Q4_1 ? half_to_float(blk + 2) : 0.0f;
     }
     *sv = vld1q_f32(s);
@@ -607,19 +614,11 @@ rows_neon(const int FMT, const uint8_t *wrow, int64_t nb, int64_t k, const int M
     for (; b0 < nb; b0++) {
         const uint8_t *blk = wrow + b0 * bb;
         const float s = half_to_float(blk), mn = FMT == F_Q4_1 ? half_to_float(blk + 2) : 0.0f;
-        int8x16_t lo, hi;
-        if (FMT == F_Q8_0) {
-            lo = vld1q_s8((const int8_t *)blk + 2);
-            hi = vld1q_s8((const int8_t *)blk + 18);
-        } else {
-            const uint8x16_t q = vld1q_u8(blk + (FMT == F_Q4_1 ? 4 : 2));
-            lo = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
-            hi = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
-            if (FMT == F_Q4_0) { lo = vsubq_s8(lo, vdupq_n_s8(8)); hi = vsubq_s8(hi, vdupq_n_s8(8)); }
-        }
+        int8x16_t v[2];
+        neon_decode1(FMT, blk, v);
         for (int r = 0; r < MR; r++) {
             const int64_t i = r * nbk + b0;
-            const int dot = vaddvq_s32(qg_sdot(qg_sdot(z, lo, vld1q_s8(qa + 32 * i)), hi,
+            const int dot = vaddvq_s32(qg_sdot(qg_sdot(z, v[0], vld1q_s8(qa + 32 * i)), v[1],
                                                vld1q_s8(qa + 32 * i + 16)));
             tail[r] += s * (da[i] * (float)dot) + mn * fa[i];
         }
@@ -668,22 +667,24 @@ static void neon_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j0,
                        float *y, int64_t ldy) {
     const int64_t nb = k / 32, nb4 = nb / 4 * 4, nbk = k / 32;
     int64_t rows = panel_rows(nb4 * 40, m, k, j0, j1);
+    /* a panel row: 2 vectors a block (pre), its scales (ps) and minimums (pm) a float each */
     int8x16_t *pre = m > 4 && nb4 ? malloc(sizeof(int8x16_t) * (size_t)(2 * rows * nb4)) : NULL;
-    float *ps = pre ? malloc(sizeof(float) * (size_t)(2 * rows * nb4)) : NULL;
-    if (!ps) { free(pre); pre = NULL; rows = 1; }
+    float *ps = pre ? malloc(sizeof(float) * (size_t)(rows * nb4)) : NULL;
+    float *pm = ps ? malloc(sizeof(float) * (size_t)(rows * nb4)) : NULL;
+    if (!pm) { free(pre); free(ps); pre = NULL; rows = 1; }
     float out[4];
     for (int64_t p0 = j0; p0 < j1; p0 += rows) {
         const int64_t pe = p0 + rows < j1 ? p0 + rows : j1;
         for (int64_t j = p0; pre && j < pe; j++)
             neon_decode_row(fmt, w + j * row_bytes, nb, pre + 2 * (j - p0) * nb4,
-                            ps + 2 * (j - p0) * nb4, ps + (2 * (j - p0) + 1) * nb4);
+                            ps + (j - p0) * nb4, pm + (j - p0) * nb4);
         for (int64_t r0 = 0; r0 < m;) {
             const int mr = m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
             for (int64_t j = p0; j < pe; j++) {
-                const int64_t o = 2 * (j - p0) * nb4;
+                const int64_t o = (j - p0) * nb4;
                 rows_neon_any(fmt, w + j * row_bytes, nb, k, mr, qa + r0 * k, da + r0 * nbk,
-                              fa + r0 * nbk, pre ? pre + o : NULL, pre ? ps + o : NULL,
-                              pre ? ps + o + nb4 : NULL, out);
+                              fa + r0 * nbk, pre ? pre + 2 * o : NULL, pre ? ps + o : NULL,
+                              pre ? pm + o : NULL, out);
                 for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + j] = out[r];
             }
             r0 += mr;
@@ -691,6 +692,7 @@ static void neon_share(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j0,
     }
     free(pre);
     free(ps);
+    free(pm);
 }
 #endif
 
