@@ -17,9 +17,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 ANCHORS_VENV=${ANCHORS_VENV:-$HOME/anchors/venv}
-# the float32 folder llmtower converts the GGUF into (the one with its weights: vLLM reads them)
-MODEL=${MODEL:-$(dirname "$(ls -t "$HOME"/.cache/llmtower/smollm2-135m-instruct-*/model.safetensors \
-                            | head -1)")}
+# SmolLM2 in float32 (vLLM cannot read the GGUF): written once by smollm2_f32_dir.sh
+MODEL=${MODEL:-$(PY=$PY benchmarks/smollm2_f32_dir.sh)}
 HARNESS=${HARNESS:-../shared/anchors/bench_offline.py}
 B="--seed 0 --threads 2 --max-foreign 1.0 --idle-timeout 1 --kv-gib ${KV_GIB:-4}"
 ONE="--num-prompts 1 --min-input 144 --max-input 144 --output-len 128 --runs ${RUNS_ONE:-3}"

@@ -8,7 +8,7 @@
 #   LLAMA_SERVER  llama-server binary (default: $ANCHORS/llama.cpp/build/bin/llama-server)
 #   LLAMA_GGUF    SmolLM2 as a BF16 GGUF (default: the first $ANCHORS/models/*mol*bf16*.gguf)
 #   ANCHORS_VENV  vLLM's CPU venv (default: $ANCHORS/venv)
-#   MODEL         SmolLM2's float32 folder for vLLM (default: llmtower's converted GGUF)
+#   MODEL         SmolLM2's float32 folder for vLLM (default: benchmarks/smollm2_f32_dir.sh's)
 #   NUM_PROMPTS   requests per run (default 64); SERVE_ARGS  more flags for llmtower
 # Peers are built as in ../shared/anchors/README.md. Run on a quiet machine: the figures
 # of one run are compared with each other, as ratios.
@@ -20,7 +20,7 @@ PY=${PYTHON:-.venv/bin/python}
 LLAMA_SERVER=${LLAMA_SERVER:-$ANCHORS/llama.cpp/build/bin/llama-server}
 LLAMA_GGUF=${LLAMA_GGUF:-$(ls "$ANCHORS"/models/*[Ss]mol*[Bb][Ff]16*.gguf 2>/dev/null | head -1 || true)}
 ANCHORS_VENV=${ANCHORS_VENV:-$ANCHORS/venv}
-MODEL=${MODEL:-$(ls -d "$HOME"/.cache/llmtower/smollm2-135m-instruct-* 2>/dev/null | head -1 || true)}
+MODEL=${MODEL:-$(benchmarks/smollm2_f32_dir.sh)}
 echo "=== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) CPUs"
 PYTHONPATH=${LLMTOWER_SRC:-$PWD/src} exec "$PY" benchmarks/served_vs_peers.py \
   --num-prompts "${NUM_PROMPTS:-64}" --llama-server "$LLAMA_SERVER" --llama-gguf "${LLAMA_GGUF:-}" \

@@ -5,14 +5,14 @@
 # ignored, at an infinite rate (all at once) and at 2 req/s. Servers run one after another on
 # a quiet machine; prints each run's output throughput, mean / p99 TTFT and mean TPOT.
 #   ANCHORS_VENV  vLLM's CPU venv (built by ../shared/anchors; never a dependency of ours)
-#   MODEL         SmolLM2's float32 Hugging Face folder (llmtower converts the GGUF into it)
+#   MODEL         SmolLM2's float32 Hugging Face folder (default: benchmarks/smollm2_f32_dir.sh writes it once)
 #   ENGINES       which servers: "llmtower llmtower-bf16 vllm" (default)
 # At their defaults vLLM serves this float32 folder in bfloat16 (its CPU default), llmtower
 # in float32 (token-exact against transformers); llmtower-bf16 adds `--dtype bfloat16`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ANCHORS_VENV=${ANCHORS_VENV:-$HOME/anchors/venv}
-MODEL=${MODEL:-$(ls -d "$HOME"/.cache/llmtower/smollm2-135m-instruct-* | head -1)}
+MODEL=${MODEL:-$(benchmarks/smollm2_f32_dir.sh)}
 ENGINES=${ENGINES:-llmtower llmtower-bf16 vllm}
 PORT=${PORT:-18555}
 LOG=$(mktemp -d)

@@ -3,12 +3,12 @@
 # engines alternating, each at `chrt -f 1`. Cells: many-bf16 one-bf16 many-f32 one-f32 (SmolLM2),
 # w1-f32 (the harness's W1 model, 64 prompts, float32).
 #   ANCHORS_VENV  vLLM's CPU venv (built by ../shared/anchors; never a dependency of ours)
-#   MODEL         SmolLM2's float32 Hugging Face folder (llmtower converts the GGUF into it)
+#   MODEL         SmolLM2's float32 Hugging Face folder (default: benchmarks/smollm2_f32_dir.sh writes it once)
 #   W1_MODEL      the W1 model folder (../shared/anchors/make_models.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ANCHORS_VENV=${ANCHORS_VENV:-$HOME/anchors/venv}
-MODEL=${MODEL:-$(ls -d "$HOME"/.cache/llmtower/smollm2-135m-instruct-* | head -1)}
+MODEL=${MODEL:-$(benchmarks/smollm2_f32_dir.sh)}
 W1_MODEL=${W1_MODEL:-$(dirname "$ANCHORS_VENV")/models/small-llama}
 HARNESS=../shared/anchors/bench_offline.py
 B="--seed 0 --threads 2 --max-foreign 1.0 --idle-timeout 1"

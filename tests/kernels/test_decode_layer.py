@@ -16,6 +16,7 @@ from llmtower.kernels import ops
 from llmtower.kernels.decode_layer import DecodeLayers, LayerParts
 from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.gemv_bf16 import GemvWeight
+from llmtower.kernels.kv_prefetch_choice import KvPrefetchChoice
 from llmtower.models import linear as linear_mod
 from llmtower.models import llama
 from tests.executor.exactness_helpers import add_greedy, make_engine, random_prompts, run_all
@@ -265,6 +266,45 @@ def test_float32_logits_equal_the_separate_kernels_bit_for_bit(request, monkeypa
     assert len(logits) == len(logits_off)
     for a, b in zip(logits, logits_off):
         assert torch.equal(a, b)
+
+
+@needs_f32
+@pytest.mark.parametrize("mode", ["step", "layers"])
+def test_the_kv_prefetch_trial_runs_both_settings_and_changes_no_value(odd_qwen2_dir,
+                                                                        monkeypatch, mode):
+    """With the setting left to the trial (kernels/kv_prefetch_choice.py), the first decode
+    steps of 16+ rows run with and without the K/V stream in turn, the trial decides, and every
+    logit is the separate kernels' bit for bit (the stream only prefetches)."""
+    whole_step, whole = MODES[mode]
+    monkeypatch.setattr(DL, "WHOLE_STEP", whole_step)
+    monkeypatch.setattr(DL, "WHOLE_LAYERS", whole)
+    monkeypatch.setattr(DL, "PREFETCH_KV", None)
+    monkeypatch.delenv("LLMTOWER_PREFETCH_KV", raising=False)
+    choices: list[KvPrefetchChoice] = []
+    seen: list[tuple[int, bool]] = []  # (rows, the C library's setting) per whole-layer call
+    real_timed = DecodeLayers._timed
+
+    def record_timed(self, fn, *args):
+        if not choices:
+            self.prefetch_choice = KvPrefetchChoice(pairs=3)
+            choices.append(self.prefetch_choice)
+        rc = real_timed(self, fn, *args)
+        seen.append((self._step.t, bool(self._prefetch_kv.value)))
+        return rc
+
+    monkeypatch.setattr(DecodeLayers, "_timed", record_timed)
+    prompts = random_prompts(20, 3, 30, seed=3)
+    kw = dict(dtype="float32", num_gpu_blocks=2048, max_num_batched_tokens=8192)
+    tokens, logits, _ = _run(odd_qwen2_dir, prompts, 2, monkeypatch, **kw)
+    monkeypatch.setattr(DL, "MAX_ROWS", 0)
+    tokens_off, logits_off, _ = _run(odd_qwen2_dir, prompts, 2, monkeypatch, **kw)
+    assert len(seen) == 11 and all(rows == 20 for rows, _ in seen)
+    trial = [on for _, on in seen[:6]]
+    assert trial.count(True) == trial.count(False) == 3  # three pairs, each both ways
+    assert choices[0].decided is not None and len(choices[0].ratios) == 3
+    assert all(on is choices[0].decided for _, on in seen[6:])
+    assert tokens == tokens_off
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off, strict=True))
 
 
 @needs_f32

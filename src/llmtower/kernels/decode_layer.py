@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from llmtower.kernels.gemm_f32 import GemmF32Weight
 from llmtower.kernels.decode_layer_lora import LoRAProducts, LoRARows
 from llmtower.kernels.gemv_bf16 import GemvWeight
 from llmtower.kernels.kv_pointers import KVPointers
+from llmtower.kernels.kv_prefetch_choice import KvPrefetchChoice
 
 _P = ctypes.c_void_p
 # Most rows a step may have for the fused path, beside the limit of the products' kernel
@@ -43,8 +45,10 @@ WHOLE_LAYERS = True
 # output layer); False: layer 0 and the last layer from Python around ``attend_and_layers``.
 WHOLE_STEP = True
 # Whether whole layers prefetch the next attention's K/V blocks in the float32 products' spare
-# steps (decode_layer.c, ``decode_layer_prefetch_kv``); False: not (benchmarks compare).
-PREFETCH_KV = True
+# steps (decode_layer.c, ``decode_layer_prefetch_kv``): None decides per engine by timing its
+# first decode steps both ways (kernels/kv_prefetch_choice.py; LLMTOWER_PREFETCH_KV fixes it);
+# True / False fix it (benchmarks compare).
+PREFETCH_KV: bool | None = None
 
 
 class DecodeLayerWeights(ctypes.Structure):
@@ -136,7 +140,8 @@ def _lib() -> ctypes.CDLL:
 class DecodeLayers:
     """Owns the C descriptions of a model's layer pairs (layer i's o projection and MLP with
     layer i + 1's input norm and qkv: ``layers[i]`` for i < L - 1) and, per step, the work
-    buffers and the ``DecodeStep`` every call reads; ``layer`` runs one pair."""
+    buffers and the ``DecodeStep`` every call reads; ``layer`` runs one pair. Its
+    ``prefetch_choice`` decides whether whole-layer calls prefetch the next attention's K/V."""
 
     def __init__(self, layers: Sequence[LayerParts], hidden: int, intermediate: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -161,6 +166,9 @@ class DecodeLayers:
         self._weight_ptrs = [ctypes.addressof(self._weights) + i * size for i in range(n)]
         self._layers_fn = lib.decode_layers
         self._prefetch_kv = ctypes.c_int.in_dll(lib, "decode_layer_prefetch_kv")
+        # bfloat16 products take no side stream: nothing to choose
+        self.prefetch_choice = KvPrefetchChoice.from_env() if dtype == torch.float32 \
+            else KvPrefetchChoice(fixed=False)
         self._attn = DecodeAttention(fn=_paged_decode_address())
         self._attn_ptr = ctypes.addressof(self._attn)
         self._out = torch.empty(0)
@@ -301,10 +309,9 @@ class DecodeLayers:
         tl.out = out.data_ptr()
         tl.logits_bf16 = sc + offs[2] * es if head else None
         tl.logits = None if logits is None else logits.data_ptr()
-        self._prefetch_kv.value = int(PREFETCH_KV)
-        rc = self._step_fn(ctypes.addressof(self._weights), ctypes.addressof(self._ends),
-                           self._step_ptr, self._attn_ptr, self._tail_ptr, h.data_ptr(), k_ptrs,
-                           v_ptrs, len(kv_caches))
+        rc = self._timed(self._step_fn, ctypes.addressof(self._weights),
+                         ctypes.addressof(self._ends), self._step_ptr, self._attn_ptr,
+                         self._tail_ptr, h.data_ptr(), k_ptrs, v_ptrs, len(kv_caches))
         if rc == 2:
             raise ValueError(f"fused decode step: sampled rows must be in 0..{t - 1}")
         if rc == -1:
@@ -375,6 +382,21 @@ class DecodeLayers:
                                  f"to {sizes} outputs, the layer's {want[group]}")
         self._lora_checked = p
 
+    def _timed(self, fn: Any, *args: Any) -> int:
+        """``fn(*args)`` (a C call of whole layers) with this step's K/V prefetch setting:
+        PREFETCH_KV where a benchmark fixed it, else the trial's (its time reported to it)."""
+        if PREFETCH_KV is not None:
+            self._prefetch_kv.value = int(PREFETCH_KV)
+            return fn(*args)
+        choice, t = self.prefetch_choice, self._step.t
+        self._prefetch_kv.value = int(choice.setting(t))
+        if choice.decided is not None:
+            return fn(*args)
+        start = time.perf_counter()
+        rc = fn(*args)
+        choice.record(t, time.perf_counter() - start)
+        return rc
+
     @property
     def attends(self) -> bool:
         """Whether ``attend_and_layers`` can run (the attention kernel's address is known)."""
@@ -393,9 +415,8 @@ class DecodeLayers:
         a.block_tables, a.bt_stride = block_tables.data_ptr(), block_tables.stride(0)
         a.context_lens, a.block_size, a.scale = context_lens.data_ptr(), block_size, scale
         k_ptrs, v_ptrs = self._kv.get(kv_caches)
-        self._prefetch_kv.value = int(PREFETCH_KV)
-        rc = self._layers_fn(ctypes.addressof(self._weights), self._step_ptr, self._attn_ptr,
-                             h.data_ptr(), k_ptrs, v_ptrs, first, count)
+        rc = self._timed(self._layers_fn, ctypes.addressof(self._weights), self._step_ptr,
+                         self._attn_ptr, h.data_ptr(), k_ptrs, v_ptrs, first, count)
         if rc == -1:
             raise MemoryError("paged_decode: the kernel could not allocate its score buffer")
         if rc != 0:
