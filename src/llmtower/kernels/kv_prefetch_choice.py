@@ -10,7 +10,7 @@ the cache does with lines pushed out of a small L2 before they are read:
   throughput +5-7% with the stream (docs/performance.md, issue 9's fused decode layer);
 - an Intel Xeon VM (2 vCPUs, 2 MB L2): the products ran 16% longer (their own weight streams
   wait behind the prefetches) and the attention only 9% shorter: -4 to -6% end to end at
-  both the native level and emulated AVX2 (issue 28, nineteenth session).
+  both the native level and emulated AVX2 (issue 28; docs/performance.md).
 
 Neither the vendor nor the cache sizes say which a machine is, so the engine asks its steps:
 the first ``pairs`` pairs of consecutive decode steps of at least ``min_rows`` rows run one with
