@@ -17,8 +17,10 @@ the first ``pairs`` pairs of consecutive decode steps of at least ``min_rows`` r
 the stream and one without (which goes first alternates), each pair of the same row count
 (consecutive steps of a batch differ by one token of context), and the setting whose steps
 took less time in most pairs, by the median ratio, is kept for the engine's life. The two
-settings compute the same values bit for bit (a prefetch moves no data the kernels read), so
-the trial changes timing only. ``LLMTOWER_PREFETCH_KV=1`` / ``0`` fixes the setting instead.
+settings compute the same values bit for bit (a prefetch only brings lines into a cache), so
+the trial changes timing only. Steps of fewer rows run without the stream until the trial has
+decided (their K/V is too little to matter or to tell). ``LLMTOWER_PREFETCH_KV=1`` / ``0``
+fixes the setting instead.
 """
 from __future__ import annotations
 
